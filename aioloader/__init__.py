@@ -1,0 +1,22 @@
+"""aioloader: an asyncio-native data loader for PyTorch."""
+
+from __future__ import annotations
+
+from ._errors import (
+    AioLoaderError,
+    LoaderClosedError,
+    LoaderTimeoutError,
+    PoisonBatchError,
+    WorkerCrashedError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AioLoaderError",
+    "LoaderClosedError",
+    "LoaderTimeoutError",
+    "PoisonBatchError",
+    "WorkerCrashedError",
+    "__version__",
+]

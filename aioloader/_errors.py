@@ -1,0 +1,74 @@
+"""Exceptions raised by aioloader itself.
+
+Errors from user code (``Dataset.__getitem__``, ``__iter__``, ``collate_fn``, ``worker_init_fn``)
+keep their own type and are re-raised in the consumer with the worker's traceback in the message,
+as torch's DataLoader does. The loader's own failures use this hierarchy::
+
+    AioLoaderError
+    ├── LoaderClosedError       (also RuntimeError) iterated after aclose()
+    ├── WorkerCrashedError      (also RuntimeError) a worker process died
+    │   └── PoisonBatchError    the same index batch killed its worker twice
+    └── LoaderTimeoutError      (also RuntimeError, TimeoutError) no batch within ``timeout``
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "AioLoaderError",
+    "LoaderClosedError",
+    "LoaderTimeoutError",
+    "PoisonBatchError",
+    "WorkerCrashedError",
+)
+
+
+class AioLoaderError(Exception):
+    """Base class of the errors aioloader raises for its own failures."""
+
+
+class LoaderClosedError(AioLoaderError, RuntimeError):
+    """Raised by ``AsyncDataLoader`` when it is iterated after ``aclose()``."""
+
+
+class WorkerCrashedError(AioLoaderError, RuntimeError):
+    """Raised when a worker process dies (killed, segfault, ``os._exit``) and cannot be replaced.
+
+    ``worker_id``, ``exitcode`` and ``indices`` name what was lost, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_id: int | None = None,
+        exitcode: int | None = None,
+        indices: object = None,
+    ) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.exitcode = exitcode
+        self.indices = indices
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_crashed,
+            (type(self), self.args[0], self.worker_id, self.exitcode, self.indices),
+        )
+
+
+class PoisonBatchError(WorkerCrashedError):
+    """Raised when the same index batch killed its worker twice: one of its samples is bad."""
+
+
+class LoaderTimeoutError(AioLoaderError, RuntimeError, TimeoutError):
+    """Raised when no batch arrives within the loader's ``timeout`` seconds."""
+
+
+def _rebuild_crashed(
+    cls: type[WorkerCrashedError],
+    message: str,
+    worker_id: int | None,
+    exitcode: int | None,
+    indices: object,
+) -> WorkerCrashedError:
+    return cls(message, worker_id=worker_id, exitcode=exitcode, indices=indices)
