@@ -1,0 +1,305 @@
+"""Worker processes behind ``ProcessPoolExecutor``. Runs in: the event loop, with blocking steps
+(process start, pickling the payload, joins) on short-lived helper threads.
+
+Map-style datasets use one pool of ``num_workers`` processes fed from one shared queue, so an idle
+worker always takes the next batch and a slow batch does not hold up the ones behind it.
+Iterable-style datasets need worker affinity (each worker iterates its own replica and batches
+must be read from the worker that owns the iterator), so they get one single-process pool per
+worker id, and the scheduler assigns batches to workers round-robin as torch does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import replace
+from multiprocessing.context import BaseContext
+from typing import Any, TypeVar
+
+from . import _worker
+
+__all__ = ("CrashReport", "WorkerPool", "run_off_loop")
+
+_logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+#: How long idle workers get to exit after being asked to, before they are killed.
+SHUTDOWN_GRACE_S = 5.0
+
+_forkserver_lock = threading.Lock()
+
+
+async def run_off_loop(
+    fn: Callable[[], _T], *, name: str, on_abandon: Callable[[_T], None] | None = None
+) -> _T:
+    """Run a blocking ``fn`` on a fresh thread and await it; the thread is gone when this returns.
+
+    ``fn`` cannot be interrupted, so cancelling the caller waits for it to finish, hands its
+    result to ``on_abandon`` (also off the loop) to release what it created, and only then
+    re-raises the cancellation: nothing ``fn`` made outlives the cancelled caller.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[tuple[bool, Any]] = loop.create_future()
+
+    def settle(outcome: tuple[bool, Any]) -> None:
+        if not fut.done():
+            fut.set_result(outcome)
+
+    def target() -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, fn())
+        except BaseException as exc:
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the loop closed while we worked: nobody is left to tell
+            if outcome[0] and on_abandon is not None:
+                on_abandon(outcome[1])
+
+    thread = threading.Thread(target=target, name=f"aioloader-{name}", daemon=True)
+    thread.start()
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            ok, value = await asyncio.shield(fut)
+            break
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    # The thread's last act was to schedule `settle`: it is exiting, so the join is instant.
+    thread.join()
+    if cancelled is not None:
+        if ok and on_abandon is not None:
+            release = threading.Thread(target=on_abandon, args=(value,), name=f"aioloader-{name}")
+            release.start()
+            while release.is_alive():
+                await asyncio.sleep(0.01)
+        raise cancelled
+    if ok:
+        return value  # type: ignore[no-any-return]
+    raise value
+
+
+def _prepare_forkserver(ctx: BaseContext) -> None:
+    """Preload torch in the fork server, so each worker forks with torch already imported.
+
+    Only possible before the fork server first starts (a process-wide server shared by every user
+    of the forkserver context); afterwards this is a no-op.
+    """
+    from multiprocessing import forkserver
+
+    with _forkserver_lock:
+        server = forkserver._forkserver
+        if getattr(server, "_forkserver_pid", None) is None:
+            preload = list(getattr(server, "_preload_modules", ["__main__"]))
+            for mod in ("torch", "aioloader._worker"):
+                if mod not in preload:
+                    preload.append(mod)
+            ctx.set_forkserver_preload(preload)  # type: ignore[attr-defined]
+
+
+class CrashReport:
+    """Which worker died, with what exit code, holding which batch (any may be unknown)."""
+
+    def __init__(
+        self, worker_id: int | None, pid: int | None, exitcode: int | None, send_idx: int | None
+    ):
+        self.worker_id = worker_id
+        self.pid = pid
+        self.exitcode = exitcode
+        self.send_idx = send_idx
+
+    def describe(self) -> str:
+        who = "a worker" if self.worker_id is None else f"worker {self.worker_id}"
+        if self.pid is not None:
+            who += f" (pid {self.pid})"
+        if self.exitcode is None:
+            how = "exited unexpectedly"
+        elif self.exitcode < 0:
+            try:
+                how = f"was killed by signal {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                how = f"was killed by signal {-self.exitcode}"
+            how += f" (exit code {self.exitcode})"
+        else:
+            how = f"exited unexpectedly with exit code {self.exitcode}"
+        return f"{who} {how}"
+
+
+class WorkerPool:
+    """``num_workers`` processes initialised with one :class:`~aioloader._worker.WorkerSpec`.
+
+    Create with :meth:`start`; every worker process is started before it returns, off the loop,
+    but the workers initialise concurrently and take tasks as soon as each is ready.
+    """
+
+    def __init__(self, spec: _worker.WorkerSpec, ctx: BaseContext, per_worker: bool) -> None:
+        self.spec = spec
+        self.num_workers = spec.num_workers
+        self._ctx = ctx
+        self._per_worker = per_worker
+        self._executors: list[ProcessPoolExecutor] = []
+        # One slot per worker id: the send_idx it is loading now, or -1. Read after a crash to
+        # name the batch the dead worker was holding.
+        self._slots: Any = ctx.RawArray(ctypes.c_longlong, [-1] * self.num_workers)  # type: ignore[attr-defined]
+        self._closed = False
+        self._owns_payload = True
+        self.pids = {}
+
+    @classmethod
+    async def start(
+        cls,
+        make_spec: Callable[[], _worker.WorkerSpec],
+        ctx: BaseContext,
+        per_worker: bool,
+    ) -> WorkerPool:
+        """Build the spec (this may pickle the dataset) and start every worker, off the loop.
+
+        The pool owns the spec's payload file and removes it at shutdown unless
+        :meth:`hand_over_payload` moved it to a replacement pool.
+        """
+
+        def start_sync() -> WorkerPool:
+            pool = cls(make_spec(), ctx, per_worker)
+            try:
+                pool._start_sync()
+            except BaseException:
+                pool._kill_sync()
+                raise
+            return pool
+
+        return await run_off_loop(start_sync, name="start", on_abandon=lambda p: p._kill_sync())
+
+    def hand_over_payload(self) -> None:
+        """A replacement pool now owns the payload file: do not remove it at shutdown."""
+        self._owns_payload = False
+
+    def _remove_payload(self) -> None:
+        if self._owns_payload and self.spec.payload_file is not None:
+            self._owns_payload = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.spec.payload_file[0])
+
+    def _start_sync(self) -> None:
+        if self._ctx.get_start_method() == "forkserver":
+            _prepare_forkserver(self._ctx)
+        t0 = time.perf_counter()
+        if self._per_worker:
+            for wid in range(self.num_workers):
+                spec = replace(self.spec, fixed_worker_id=wid)
+                self._executors.append(self._new_executor(1, spec, None))
+        else:
+            counter = self._ctx.Value("i", 0)  # type: ignore[attr-defined]
+            self._executors.append(self._new_executor(self.num_workers, self.spec, counter))
+        # ProcessPoolExecutor starts spawn/forkserver processes lazily, one per submit with no idle
+        # worker, on the submitting thread. Submitting one ping per worker here starts them all on
+        # this helper thread, so later submits from the event loop never start a process.
+        for ex in self._executors:
+            for _ in range(ex._max_workers):  # type: ignore[attr-defined]
+                ex.submit(_worker.ping)
+        _logger.debug(
+            "started %d workers (%s) in %.3fs",
+            self.num_workers,
+            self._ctx.get_start_method(),
+            time.perf_counter() - t0,
+        )
+
+    def _new_executor(self, n: int, spec: _worker.WorkerSpec, counter: Any) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            max_workers=n,
+            mp_context=self._ctx,
+            initializer=_worker.init,
+            initargs=(spec, counter, self._slots),
+        )
+
+    def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
+        """Queue one batch; ``worker_id`` picks the worker (iterable datasets), else any worker."""
+        ex = self._executors[worker_id if self._per_worker and worker_id is not None else 0]
+        return ex.submit(_worker.fetch, send_idx, indices, epoch)
+
+    def _processes(self) -> list[tuple[int, multiprocessing.process.BaseProcess]]:
+        """(worker_id or -1, process) for every process; worker ids are known for per-worker pools."""
+        out = []
+        for i, ex in enumerate(self._executors):
+            procs = getattr(ex, "_processes", None) or {}
+            for p in list(procs.values()):
+                out.append((i if self._per_worker else -1, p))
+        return out
+
+    def crash_report(self) -> CrashReport:
+        """Name the worker that died (call after a ``BrokenProcessPool``)."""
+        dead = [(wid, p) for wid, p in self._processes() if p.exitcode is not None]
+        # The executor SIGTERMs the survivors once it sees one die: prefer any other exit code.
+        dead.sort(key=lambda wp: wp[1].exitcode == -signal.SIGTERM)
+        if not dead:
+            return CrashReport(None, None, None, None)
+        wid, proc = dead[0]
+        if wid < 0:
+            wid = self._worker_id_of_pid(proc.pid)
+        send_idx = self._slots[wid] if wid is not None and wid >= 0 else -1
+        return CrashReport(
+            wid if wid is not None and wid >= 0 else None,
+            proc.pid,
+            proc.exitcode,
+            send_idx if send_idx >= 0 else None,
+        )
+
+    def _worker_id_of_pid(self, pid: int | None) -> int | None:
+        return self.pids.get(pid) if pid is not None else None
+
+    #: pid -> worker id, filled in as results arrive (map-style pools draw ids at start-up).
+    pids: dict[int | None, int]
+
+    def note_worker(self, worker_id: int, pid: int) -> None:
+        self.pids[pid] = worker_id
+
+    def busy_send_idx(self) -> dict[int, int]:
+        """worker id -> send_idx it is loading now."""
+        return {wid: v for wid in range(self.num_workers) if (v := self._slots[wid]) >= 0}
+
+    async def shutdown(self, *, graceful: bool) -> None:
+        """Stop every worker and the executors' threads; safe to call twice.
+
+        ``graceful``: idle workers are asked to exit and killed only after :data:`SHUTDOWN_GRACE_S`.
+        Otherwise (an abandoned epoch) busy workers are terminated at once rather than waited for.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        await run_off_loop(lambda: self._shutdown_sync(graceful), name="shutdown")
+
+    def _shutdown_sync(self, graceful: bool) -> None:
+        procs = [p for _, p in self._processes()]
+        if not graceful:
+            self._kill_sync()
+            return
+        for ex in self._executors:
+            ex.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._kill_sync()
+
+    def _kill_sync(self) -> None:
+        procs = [p for _, p in self._processes()]
+        for ex in self._executors:
+            ex.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            if p.exitcode is None:
+                with contextlib.suppress(Exception):
+                    p.kill()
+        for p in procs:
+            p.join(SHUTDOWN_GRACE_S)
+        for ex in self._executors:
+            # Joins the executor's manager thread; the processes are gone, so this is quick.
+            ex.shutdown(wait=True)
+        self._closed = True
+        self._remove_payload()

@@ -1,0 +1,858 @@
+"""AsyncDataLoader: torch's DataLoader API on an asyncio event loop. Runs in: the event loop.
+
+The only module that wires the stages together::
+
+    sampler -> scheduler task -> ProcessPoolExecutor workers -> ReorderBuffer -> consumer
+               (send_idx, indices)   (Result bytes)            (by send_idx)
+
+Invariant, per epoch: ``submitted - delivered - skipped == permits held <= max_in_flight``.
+A permit returns when the *consumer receives* a batch (or an exhausted iterable worker's index is
+skipped), not when a worker finishes it, so a straggler can never make the reorder buffer grow past
+``max_in_flight`` batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import logging
+import multiprocessing
+import os
+import pickle
+import time
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.context import BaseContext
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, _DatasetKind
+
+from . import _transport, _worker
+from ._errors import LoaderClosedError, LoaderTimeoutError, PoisonBatchError, WorkerCrashedError
+from ._executor import CrashReport, WorkerPool, run_off_loop
+from ._reorder import ReorderBuffer
+
+__all__ = ("AsyncDataLoader", "LoaderStats")
+
+_logger = logging.getLogger(__name__)
+
+_T_co = TypeVar("_T_co", covariant=True)
+_B = TypeVar("_B")
+
+#: torch DataLoader attributes readable on AsyncDataLoader.
+_TORCH_ATTRS = frozenset(
+    {
+        "dataset",
+        "batch_size",
+        "sampler",
+        "batch_sampler",
+        "num_workers",
+        "collate_fn",
+        "pin_memory",
+        "drop_last",
+        "timeout",
+        "worker_init_fn",
+        "multiprocessing_context",
+        "generator",
+        "prefetch_factor",
+        "persistent_workers",
+        "pin_memory_device",
+        "in_order",
+    }
+)
+
+#: Attributes torch's DataLoader forbids setting after construction; so do we.
+_FROZEN_ATTRS = frozenset(
+    {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"}
+)
+
+
+class LoaderStats(NamedTuple):
+    """A snapshot of :meth:`AsyncDataLoader.stats`. Counters cover the loader's whole life."""
+
+    #: Batches handed to the consumer.
+    batches_delivered: int
+    #: Samples in those batches (the sizes of their index batches).
+    samples_delivered: int
+    #: Seconds the consumer spent waiting in ``__anext__`` for data.
+    wait_s: float
+    #: ``wait_s`` over the time since the first batch was requested: 0 means never starved.
+    data_stall_fraction: float
+    #: Index batches submitted whose batch the consumer has not received yet.
+    batches_in_flight: int
+    #: Fraction of the workers' wall time spent loading batches.
+    worker_busy_fraction: float
+    #: Worker pools replaced after a worker died.
+    worker_restarts: int
+    #: Seconds from the latest epoch's first request to its first batch (None before one arrived).
+    time_to_first_batch_s: float | None
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class _Direct(NamedTuple):
+    """A batch loaded in this process (``num_workers=0``): no transport needed."""
+
+    value: Any
+
+
+class _Failure(NamedTuple):
+    """An exception to raise at this batch's position."""
+
+    exc: BaseException
+
+
+def _raise_remote(err: _worker.RemoteError) -> None:
+    exc_type: Any = RuntimeError
+    if err.exc_type is not None:
+        try:
+            exc_type = pickle.loads(err.exc_type)
+        except Exception:
+            exc_type = RuntimeError
+    if exc_type in (StopIteration, StopAsyncIteration):
+        # Raised from a coroutine these would be swallowed or mangled (PEP 479).
+        raise RuntimeError(
+            f"Caught {err.type_name} {err.where}: a map-style Dataset's __getitem__ or a "
+            f"collate_fn must not raise {err.type_name}; raise IndexError for a bad index.\n"
+            f"Original {err.exc_msg}"
+        )
+    wrapper = ExceptionWrapper.__new__(ExceptionWrapper)
+    wrapper.exc_type = exc_type
+    wrapper.exc_msg = err.exc_msg
+    wrapper.where = err.where
+    if exc_type is RuntimeError and err.type_name != "RuntimeError":
+        wrapper.where = f"{err.where} (original type {err.type_name} cannot be rebuilt here)"
+    wrapper.reraise()  # type: ignore[no-untyped-call]
+
+
+class _ThreadBackend:
+    """``num_workers=0``: batches load on one thread of this process, off the event loop.
+
+    As in torch's single-process mode, ``get_worker_info()`` is None and errors keep their original
+    exception object.
+    """
+
+    num_workers = 1
+
+    def __init__(self, loader: AsyncDataLoader[Any]) -> None:
+        self._kind = _DatasetKind.Iterable if loader._is_iterable else _DatasetKind.Map
+        self._dataset = loader.dataset
+        self._auto_collation = loader.batch_sampler is not None
+        self._collate_fn = loader.collate_fn
+        self._drop_last = loader.drop_last
+        self._epoch = -1
+        self._fetcher: Any = None
+        self._ex = ThreadPoolExecutor(1, thread_name_prefix="aioloader-fetch")
+
+    def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
+        return self._ex.submit(self._fetch, send_idx, indices, epoch)
+
+    def _fetch(self, send_idx: int, indices: Any, epoch: int) -> _worker.Result:
+        start = time.perf_counter()
+        if self._epoch != epoch:
+            self._epoch = epoch
+            self._fetcher = _DatasetKind.create_fetcher(
+                self._kind, self._dataset, self._auto_collation, self._collate_fn, self._drop_last
+            )
+        try:
+            data: Any = _Direct(self._fetcher.fetch(indices))
+        except StopIteration:
+            if self._kind != _DatasetKind.Iterable:
+                raise RuntimeError(
+                    "the Dataset's __getitem__ or the collate_fn raised StopIteration; "
+                    "raise IndexError for a bad index instead"
+                ) from None
+            data = _worker.Exhausted(0)
+        return _worker.Result(send_idx, 0, os.getpid(), data, time.perf_counter() - start)
+
+    def note_worker(self, worker_id: int, pid: int) -> None:
+        pass
+
+    def crash_report(self) -> CrashReport:
+        return CrashReport(None, None, None, None)
+
+    async def shutdown(self, *, graceful: bool) -> None:
+        self._ex.shutdown(wait=False, cancel_futures=True)
+        # The thread may be inside user code; joining waits for that call to return.
+        await run_off_loop(lambda: self._ex.shutdown(wait=True), name="fetch-join")
+
+
+class AsyncDataLoader(Generic[_T_co]):
+    """Loads batches like ``torch.utils.data.DataLoader``, as an async iterator.
+
+    Every argument of torch's ``DataLoader`` is accepted with the same meaning, default and
+    validation errors. Each ``async for`` over the loader is one epoch. Use it as an async context
+    manager (or call :meth:`aclose`) so worker processes are released deterministically.
+
+    Args:
+        max_worker_restarts: Worker pools the loader may replace per epoch after a worker process
+            dies; the batches in flight are resubmitted, so no sample is lost or repeated.
+            0 fails at the first crash, as torch does. An index batch that kills its worker twice
+            raises :class:`~aioloader.PoisonBatchError` regardless.
+
+    Example::
+
+        async with AsyncDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4) as loader:
+            for epoch in range(3):
+                async for batch in loader:
+                    ...
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[_T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: str | BaseContext | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        max_worker_restarts: int = 3,
+    ) -> None:
+        # torch's own constructor does the validation, picks the default samplers and collate_fn,
+        # and starts nothing: workers start only when it is iterated, which we never do.
+        torch_loader: DataLoader[Any] = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        if num_workers > 0 and torch_loader.prefetch_factor == 0:
+            # torch accepts this and then fails with a bare AssertionError when iterated.
+            raise ValueError(
+                "prefetch_factor must be at least 1 with num_workers > 0: it is the number of "
+                "batches each worker loads ahead"
+            )
+        if (
+            not isinstance(max_worker_restarts, int)
+            or isinstance(max_worker_restarts, bool)
+            or max_worker_restarts < 0
+        ):
+            raise ValueError(
+                f"max_worker_restarts should be a non-negative int, got {max_worker_restarts!r}"
+            )
+        object.__setattr__(self, "_torch", torch_loader)
+        self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
+        self.max_worker_restarts = max_worker_restarts
+        self._state = _State.OPEN
+        self._epoch_no = 0
+        self._current: _Epoch | None = None
+        self._current_handle: weakref.ref[_EpochIterator[Any]] | None = None
+        self._persistent_pool: WorkerPool | None = None
+        self._persistent_seed: int | None = None
+        self._pool_lock: asyncio.Lock | None = None
+        self._cleanups: set[asyncio.Task[None]] = set()
+        self._initialized = True
+        # stats
+        self._batches = 0
+        self._samples = 0
+        self._wait_s = 0.0
+        self._first_request: float | None = None
+        self._busy_s = 0.0
+        self._restarts = 0
+        self._ttfb: float | None = None
+
+    # ---------------------------------------------------------------- torch-compatible attributes
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_initialized", False) and name in _FROZEN_ATTRS:
+            raise ValueError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+            )
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # dataset, batch_size, sampler, collate_fn, ...: read from the torch DataLoader that
+        # validated them, so they hold exactly what torch would (defaults filled in).
+        if name in _TORCH_ATTRS:
+            return getattr(self._torch, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self._torch._index_sampler
+
+    def __len__(self) -> int:
+        """Batches per epoch, as ``len()`` of torch's DataLoader (an estimate for iterables)."""
+        return len(self._torch)
+
+    def __repr__(self) -> str:
+        return (
+            f"<AsyncDataLoader dataset={type(self.dataset).__name__} "
+            f"batch_size={self.batch_size} num_workers={self.num_workers} state={self._state.value}>"
+        )
+
+    # -------------------------------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> AsyncDataLoader[_T_co]:
+        if self._state is _State.CLOSED:
+            raise LoaderClosedError(
+                "this loader was closed; create a new AsyncDataLoader to iterate again"
+            )
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> _EpochIterator[Any]:
+        """Start an epoch. A previous epoch still running on this loader is ended first."""
+        if self._state is _State.CLOSED:
+            raise LoaderClosedError(
+                "this loader was closed; create a new AsyncDataLoader to iterate again"
+            )
+        self._abandon_current()
+        persistent = self.persistent_workers and self.num_workers > 0
+        if persistent and self._persistent_seed is not None:
+            base_seed = self._persistent_seed  # torch draws it once for persistent workers
+        else:
+            # As torch: the workers' base seed is drawn from `generator` before the sampler draws.
+            base_seed = int(
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+            )
+            if persistent:
+                self._persistent_seed = base_seed
+        epoch = _Epoch(self, self._epoch_no, base_seed)
+        self._epoch_no += 1
+        handle = _EpochIterator(epoch)
+        self._current = epoch
+        self._current_handle = weakref.ref(handle)
+        return handle
+
+    def _abandon_current(self) -> None:
+        if self._current is not None:
+            self._current.abandon()
+            self._current = None
+
+    def _spawn_cleanup(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name="aioloader-cleanup")
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def aclose(self) -> None:
+        """End any running epoch and stop every worker process and thread. Safe to call twice.
+
+        Order: the scheduler stops submitting; buffered batches are dropped; worker processes
+        exit (idle ones are asked, busy ones of an abandoned epoch are killed); the loader's
+        helper threads are joined. Returns when all of it is gone.
+        """
+        self._state = _State.CLOSED
+        self._abandon_current()
+        while self._cleanups:
+            await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+        pool, self._persistent_pool = self._persistent_pool, None
+        if pool is not None:
+            await pool.shutdown(graceful=True)
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_persistent_pool", None)
+        if pool is not None:
+            warnings.warn(
+                f"{self!r} was not closed; use `async with` or `await loader.aclose()`",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            pool._kill_sync()
+
+    # ----------------------------------------------------------------------------------- pools
+
+    def _mp_context(self) -> BaseContext:
+        ctx = self.multiprocessing_context
+        return ctx if ctx is not None else multiprocessing.get_context()
+
+    def _make_spec(self, base_seed: int) -> _worker.WorkerSpec:
+        """Runs in: a helper thread (pickling a large dataset takes a while)."""
+        ctx = self._mp_context()
+        objects = (self.dataset, self.collate_fn, self.worker_init_fn)
+        payload = None
+        if ctx.get_start_method() != "fork":
+            payload = _transport.dump_payload(objects)
+            objects_or_none = None
+        else:
+            objects_or_none = objects
+        return _worker.WorkerSpec(
+            num_workers=self.num_workers,
+            base_seed=base_seed,
+            is_iterable=self._is_iterable,
+            auto_collation=self.batch_sampler is not None,
+            drop_last=self.drop_last,
+            main_pid=os.getpid(),
+            payload_file=payload,
+            objects=objects_or_none,
+            fixed_worker_id=None,
+        )
+
+    async def _new_pool(self, base_seed: int) -> WorkerPool:
+        return await WorkerPool.start(
+            functools.partial(self._make_spec, base_seed), self._mp_context(), self._is_iterable
+        )
+
+    async def _acquire_pool(self, base_seed: int) -> tuple[Any, bool]:
+        """(pool, owned by the epoch). Persistent workers: the loader's pool, started once."""
+        if self.num_workers == 0:
+            return _ThreadBackend(self), True
+        if not self.persistent_workers:
+            return await self._new_pool(base_seed), True
+        if self._pool_lock is None:
+            self._pool_lock = asyncio.Lock()
+        async with self._pool_lock:
+            if self._persistent_pool is None:
+                self._persistent_pool = await self._new_pool(base_seed)
+            return self._persistent_pool, False
+
+    # ----------------------------------------------------------------------------------- stats
+
+    def stats(self) -> LoaderStats:
+        """Counters since construction; cheap enough to call every batch."""
+        now = time.perf_counter()
+        elapsed = (now - self._first_request) if self._first_request is not None else 0.0
+        cur = self._current
+        workers = max(1, self.num_workers)
+        return LoaderStats(
+            batches_delivered=self._batches,
+            samples_delivered=self._samples,
+            wait_s=self._wait_s,
+            data_stall_fraction=(self._wait_s / elapsed) if elapsed > 0 else 0.0,
+            batches_in_flight=cur.in_flight_count() if cur is not None else 0,
+            worker_busy_fraction=min(1.0, self._busy_s / (elapsed * workers)) if elapsed else 0.0,
+            worker_restarts=self._restarts,
+            time_to_first_batch_s=self._ttfb,
+        )
+
+
+class _EpochIterator(Generic[_B]):
+    """What ``async for`` holds. Dropping it (``break``) ends the epoch and frees its workers."""
+
+    def __init__(self, epoch: _Epoch) -> None:
+        self._epoch = epoch
+
+    def __aiter__(self) -> _EpochIterator[_B]:
+        return self
+
+    async def __anext__(self) -> _B:
+        result: _B = await self._epoch.next()
+        return result
+
+    async def aclose(self) -> None:
+        """End this epoch now: cancel outstanding work and release its workers."""
+        await self._epoch.aclose()
+
+    def __del__(self) -> None:
+        epoch = getattr(self, "_epoch", None)
+        if epoch is not None:
+            epoch.abandon()
+
+
+class _Epoch:
+    """One pass over the sampler: the scheduler task, the in-flight table and the reorder buffer."""
+
+    def __init__(self, loader: AsyncDataLoader[Any], epoch_no: int, base_seed: int) -> None:
+        self._loader = loader
+        self._epoch_no = epoch_no
+        self._base_seed = base_seed
+        self._sampler_iter = iter(loader._index_sampler)
+        self._reorder: ReorderBuffer[Any] = ReorderBuffer(loader.in_order)
+        workers = loader.num_workers
+        self._max_in_flight = loader.prefetch_factor * workers if workers > 0 else 1
+        self._permits = asyncio.Semaphore(self._max_in_flight)
+        # send_idx -> (indices, worker id for iterables, future); entries leave when results arrive.
+        self._in_flight: dict[int, tuple[Any, int | None, Future[Any] | None]] = {}
+        self._pool: Any = None
+        self._owns_pool = False
+        self._generation = 0  # bumped when a crashed pool is replaced; older futures are stale
+        self._restarting: asyncio.Event | None = None
+        self._kills: Counter[int] = Counter()
+        self._restarts = 0
+        # Iterable datasets: torch's round-robin over workers that are not exhausted.
+        self._active = [True] * max(1, workers)
+        self._next_worker = 0
+        self._start_task: asyncio.Task[None] | None = None
+        self._sched_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started_at: float | None = None
+        self._yielded = 0
+        self._finished = False  # end reached or abandoned: nothing runs any more
+        self._len_warned = False
+
+    def in_flight_count(self) -> int:
+        return len(self._in_flight) + len(self._reorder)
+
+    # ---------------------------------------------------------------------------- start-up
+
+    async def _start(self) -> None:
+        pool, owned = await self._loader._acquire_pool(self._base_seed)
+        if self._finished:  # abandoned while the pool started
+            if owned:
+                await pool.shutdown(graceful=False)
+            return
+        self._pool, self._owns_pool = pool, owned
+        self._sched_task = asyncio.get_running_loop().create_task(
+            self._schedule(), name=f"aioloader-scheduler:{self._epoch_no}"
+        )
+
+    async def _ensure_started(self) -> None:
+        if self._start_task is None:
+            self._loop = asyncio.get_running_loop()
+            self._started_at = time.perf_counter()
+            if self._loader._first_request is None:
+                self._loader._first_request = self._started_at
+            self._start_task = self._loop.create_task(self._start(), name="aioloader-start")
+        if not self._start_task.done():
+            # shield: a consumer cancelled mid-start must not tear the start-up task apart;
+            # abandon() cleans up whatever it produced.
+            await asyncio.shield(self._start_task)
+        self._start_task.result()
+
+    # ---------------------------------------------------------------------------- scheduler
+
+    async def _schedule(self) -> None:
+        send_idx = 0
+        try:
+            while True:
+                await self._permits.acquire()
+                if self._restarting is not None:
+                    await self._restarting.wait()
+                if self._loader._is_iterable:
+                    wid = self._pick_worker()
+                    if wid is None:
+                        self._permits.release()
+                        break
+                else:
+                    wid = None
+                try:
+                    indices = next(self._sampler_iter)
+                except StopIteration:
+                    self._permits.release()
+                    break
+                except Exception as exc:  # the user's sampler failed: raise it at this position
+                    self._reorder.put(send_idx, _Failure(exc))
+                    send_idx += 1
+                    break
+                self._in_flight[send_idx] = (indices, wid, None)
+                self._submit(send_idx)
+                send_idx += 1
+            self._reorder.close(send_idx)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug of ours: surface it rather than hang the consumer
+            self._reorder.fail(exc)
+
+    def _pick_worker(self) -> int | None:
+        n = len(self._active)
+        for _ in range(n):
+            wid = self._next_worker
+            self._next_worker = (self._next_worker + 1) % n
+            if self._active[wid]:
+                return wid
+        return None
+
+    def _submit(self, send_idx: int) -> None:
+        indices, wid, _ = self._in_flight[send_idx]
+        gen = self._generation
+        try:
+            fut = self._pool.submit(send_idx, indices, self._epoch_no, wid)
+        except BrokenProcessPool:
+            self._on_crash(gen)
+            return
+        except RuntimeError:
+            # A persistent pool shut down under us (aclose() racing this epoch).
+            if self._finished:
+                return
+            raise
+        self._in_flight[send_idx] = (indices, wid, fut)
+        loop = self._loop
+        assert loop is not None
+
+        def done(f: Future[Any]) -> None:  # runs in: the executor's manager thread
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+                loop.call_soon_threadsafe(self._on_done, send_idx, gen, f)
+
+        fut.add_done_callback(done)
+
+    def _on_done(self, send_idx: int, gen: int, fut: Future[Any]) -> None:
+        if self._finished:
+            _discard(fut)
+            return
+        if gen != self._generation or fut.cancelled():
+            return  # resubmitted to a replacement pool
+        exc = fut.exception()
+        if isinstance(exc, BrokenProcessPool):
+            self._on_crash(gen)
+            return
+        self._in_flight.pop(send_idx, None)
+        if exc is not None:
+            self._reorder.put(send_idx, _Failure(exc))
+            return
+        res: _worker.Result = fut.result()
+        self._pool.note_worker(res.worker_id, res.pid)
+        self._loader._busy_s += res.busy_s
+        if isinstance(res.data, _worker.Exhausted):
+            self._active[res.data.worker_id] = False
+            self._reorder.skip(send_idx)
+            self._permits.release()
+            return
+        self._reorder.put(send_idx, res)
+
+    # ---------------------------------------------------------------------------- crashes
+
+    def _on_crash(self, gen: int) -> None:
+        if gen != self._generation or self._restarting is not None or self._finished:
+            return
+        pool = self._pool
+        report: CrashReport = pool.crash_report()
+        held = report.send_idx if report.send_idx in self._in_flight else None
+        msg = f"DataLoader {report.describe()}"
+        if held is not None:
+            msg += f" while loading batch send_idx={held} (indices {self._in_flight[held][0]!r})"
+        loader = self._loader
+        err: WorkerCrashedError | None = None
+        if held is not None:
+            self._kills[held] += 1
+        if loader._is_iterable:
+            err = WorkerCrashedError(
+                f"{msg}. An IterableDataset worker's position in its stream dies with it, so "
+                "it is not restarted (its samples would be lost or repeated).",
+                worker_id=report.worker_id,
+                exitcode=report.exitcode,
+            )
+        elif held is not None and self._kills[held] >= 2:
+            err = PoisonBatchError(
+                f"{msg}. This index batch killed its worker twice: one of these samples crashes "
+                "the process that loads it (look for a native crash or out-of-memory kill).",
+                worker_id=report.worker_id,
+                exitcode=report.exitcode,
+                indices=self._in_flight[held][0],
+            )
+        elif self._restarts >= loader.max_worker_restarts:
+            err = WorkerCrashedError(
+                f"{msg}. The workers were already restarted {self._restarts} time(s) this epoch "
+                f"(max_worker_restarts={loader.max_worker_restarts}).",
+                worker_id=report.worker_id,
+                exitcode=report.exitcode,
+                indices=self._in_flight[held][0] if held is not None else None,
+            )
+        if err is not None:
+            _logger.debug("fatal worker crash: %s", err)
+            self._reorder.fail(err)
+            self._retire_pool(pool)
+            return
+        self._restarts += 1
+        loader._restarts += 1
+        warnings.warn(
+            f"{msg}; restarting the workers and resubmitting {len(self._in_flight)} batch(es) "
+            f"in flight (restart {self._restarts} of at most {loader.max_worker_restarts} "
+            "this epoch)",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+        self._generation += 1
+        self._restarting = asyncio.Event()
+        loader._spawn_cleanup(self._restart(pool))
+
+    def _retire_pool(self, pool: Any) -> None:
+        """Take a broken pool out of service (and out of the loader, if it was persistent)."""
+        if self._loader._persistent_pool is pool:
+            self._loader._persistent_pool = None
+            self._owns_pool = True
+        if self._owns_pool:
+            self._owns_pool = False
+            self._loader._spawn_cleanup(pool.shutdown(graceful=False))
+
+    async def _restart(self, old: WorkerPool) -> None:
+        event = self._restarting
+        assert event is not None
+        try:
+            old.hand_over_payload()
+            await old.shutdown(graceful=False)
+            new = await WorkerPool.start(lambda: old.spec, old._ctx, old._per_worker)
+            if self._finished:
+                await new.shutdown(graceful=False)
+                return
+            if self._loader._persistent_pool is old:
+                self._loader._persistent_pool = new
+            self._pool = new
+            self._restarting = None
+            for send_idx in sorted(self._in_flight):
+                self._submit(send_idx)
+        except BaseException as exc:
+            self._reorder.fail(exc)
+            raise
+        finally:
+            self._restarting = None
+            event.set()
+
+    # ---------------------------------------------------------------------------- consumer
+
+    async def next(self) -> Any:
+        loader = self._loader
+        if self._finished:
+            if loader._state is _State.CLOSED:
+                raise LoaderClosedError(
+                    "this loader was closed; create a new AsyncDataLoader to iterate again"
+                )
+            raise StopAsyncIteration
+        t0 = time.perf_counter()
+        try:
+            await self._ensure_started()
+        except BaseException:
+            await self.aclose()
+            raise
+        timeout = loader.timeout
+        try:
+            if timeout > 0:
+                try:
+                    async with asyncio.timeout(timeout):
+                        item = await self._reorder.get()
+                except TimeoutError:
+                    raise LoaderTimeoutError(
+                        f"DataLoader timed out after {timeout} seconds"
+                    ) from None
+            else:
+                item = await self._reorder.get()
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
+        except (WorkerCrashedError, LoaderTimeoutError):
+            await self.aclose()
+            raise
+        finally:
+            waited = time.perf_counter() - t0
+            loader._wait_s += waited
+        self._permits.release()
+        if self._yielded == 0 and self._started_at is not None:
+            loader._ttfb = time.perf_counter() - self._started_at
+        self._yielded += 1
+        loader._batches += 1
+        value = self._decode(item)
+        self._check_iterable_len()
+        return value
+
+    def _decode(self, item: Any) -> Any:
+        if isinstance(item, _Failure):
+            raise item.exc
+        res: _worker.Result = item
+        data = res.data
+        if isinstance(data, _Direct):
+            value = data.value
+        elif isinstance(data, _worker.RemoteError):
+            _raise_remote(data)
+        else:
+            value = _transport.loads_result(data)
+        self._loader._samples += _batch_len(value, self._loader)
+        return value
+
+    def _check_iterable_len(self) -> None:
+        loader = self._loader
+        promised = loader._torch._IterableDataset_len_called
+        if loader._is_iterable and promised is not None and self._yielded > promised:
+            msg = (
+                f"Length of IterableDataset {loader.dataset} was reported to be {promised}"
+                f"(when accessing len(dataloader)), but {self._yielded} samples have been fetched. "
+            )
+            if loader.num_workers > 0:
+                msg += (
+                    "For multiprocessing data-loading, this could be caused by not properly "
+                    "configuring the IterableDataset replica at each worker. Please see "
+                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                    "for examples."
+                )
+            warnings.warn(msg, UserWarning, stacklevel=3)
+
+    # ---------------------------------------------------------------------------- shutdown
+
+    def abandon(self) -> None:
+        """End the epoch without waiting (break, GC, a new epoch). Cleanup runs as a task."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._loader._current is self:
+            self._loader._current = None
+        for t in (self._sched_task, self._start_task):
+            if t is not None and not t.done():
+                t.cancel()
+        for _, _, fut in self._in_flight.values():
+            if fut is not None:
+                fut.cancel()
+        buffered = self._reorder.drain()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # garbage-collected outside the loop: clean up synchronously
+            if self._owns_pool and isinstance(self._pool, WorkerPool):
+                self._pool._kill_sync()
+            return
+        self._loader._spawn_cleanup(self._cleanup(buffered))
+
+    async def _cleanup(self, buffered: Sequence[Any]) -> None:
+        for t in (self._sched_task, self._start_task):
+            if t is not None:
+                with contextlib.suppress(BaseException):
+                    await t
+        for item in buffered:
+            _release(item)
+        pool, owned = self._pool, self._owns_pool
+        self._owns_pool = False
+        if pool is not None and owned:
+            await pool.shutdown(graceful=not self._in_flight)
+
+    async def aclose(self) -> None:
+        self.abandon()
+        while self._loader._cleanups:
+            await asyncio.gather(*list(self._loader._cleanups), return_exceptions=True)
+
+
+def _batch_len(value: Any, loader: AsyncDataLoader[Any]) -> int:
+    if loader.batch_size is None:
+        return 1
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return int(value.shape[0])
+    if isinstance(value, (list, tuple)) and value:
+        return _batch_len(value[0], loader)
+    if isinstance(value, dict) and value:
+        return _batch_len(next(iter(value.values())), loader)
+    return int(loader.batch_size)
+
+
+def _release(item: Any) -> None:
+    """Unpickle and drop a batch nobody will consume, so its worker frees the shared memory."""
+    if isinstance(item, _worker.Result) and isinstance(item.data, bytes):
+        with contextlib.suppress(Exception):
+            _transport.loads_result(item.data)
+
+
+def _discard(fut: Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        _release(fut.result())
