@@ -336,6 +336,12 @@ class AsyncDataLoader(Generic[_T_co]):
                 "this loader was closed; create a new AsyncDataLoader to iterate again"
             )
         self._abandon_current()
+        if self.pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=2,
+            )
         persistent = self.persistent_workers and self.num_workers > 0
         if persistent and self._persistent_seed is not None:
             base_seed = self._persistent_seed  # torch draws it once for persistent workers
