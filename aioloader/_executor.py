@@ -150,9 +150,10 @@ class WorkerPool:
         # One slot per worker id: the send_idx it is loading now, or -1. Read after a crash to
         # name the batch the dead worker was holding.
         self._slots: Any = ctx.RawArray(ctypes.c_longlong, [-1] * self.num_workers)  # type: ignore[attr-defined]
+        # One slot per worker id: its pid, written by the worker at start-up.
+        self._pid_slots: Any = ctx.RawArray(ctypes.c_longlong, [0] * self.num_workers)  # type: ignore[attr-defined]
         self._closed = False
         self._owns_payload = True
-        self.pids = {}
 
     @classmethod
     async def start(
@@ -217,7 +218,7 @@ class WorkerPool:
             max_workers=n,
             mp_context=self._ctx,
             initializer=_worker.init,
-            initargs=(spec, counter, self._slots),
+            initargs=(spec, counter, self._slots, self._pid_slots),
         )
 
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
@@ -234,32 +235,39 @@ class WorkerPool:
                 out.append((i if self._per_worker else -1, p))
         return out
 
-    def crash_report(self) -> CrashReport:
-        """Name the worker that died (call after a ``BrokenProcessPool``)."""
-        dead = [(wid, p) for wid, p in self._processes() if p.exitcode is not None]
+    def crash_report(self, settle_s: float = 1.0) -> CrashReport:
+        """Name the worker that died (call after a ``BrokenProcessPool``). Blocks up to ``settle_s``.
+
+        The executor reports a death as soon as the worker's pipe closes, which can be a moment
+        before the kernel makes its exit status available: wait for it briefly.
+        """
+        deadline = time.monotonic() + settle_s
+        while True:
+            dead = [(wid, p) for wid, p in self._processes() if p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
         # The executor SIGTERMs the survivors once it sees one die: prefer any other exit code.
         dead.sort(key=lambda wp: wp[1].exitcode == -signal.SIGTERM)
         if not dead:
             return CrashReport(None, None, None, None)
         wid, proc = dead[0]
         if wid < 0:
-            wid = self._worker_id_of_pid(proc.pid)
-        send_idx = self._slots[wid] if wid is not None and wid >= 0 else -1
+            wid = self._worker_id_of_pid(proc.pid) if proc.pid is not None else -1
+            wid = -1 if wid is None else wid
+        send_idx = self._slots[wid] if wid >= 0 else -1
         return CrashReport(
-            wid if wid is not None and wid >= 0 else None,
+            wid if wid >= 0 else None,
             proc.pid,
             proc.exitcode,
             send_idx if send_idx >= 0 else None,
         )
 
-    def _worker_id_of_pid(self, pid: int | None) -> int | None:
-        return self.pids.get(pid) if pid is not None else None
-
-    #: pid -> worker id, filled in as results arrive (map-style pools draw ids at start-up).
-    pids: dict[int | None, int]
-
-    def note_worker(self, worker_id: int, pid: int) -> None:
-        self.pids[pid] = worker_id
+    def _worker_id_of_pid(self, pid: int) -> int | None:
+        for wid in range(self.num_workers):
+            if self._pid_slots[wid] == pid:
+                return wid
+        return None
 
     def busy_send_idx(self) -> dict[int, int]:
         """worker id -> send_idx it is loading now."""

@@ -176,10 +176,7 @@ class _ThreadBackend:
             data = _worker.Exhausted(0)
         return _worker.Result(send_idx, 0, os.getpid(), data, time.perf_counter() - start)
 
-    def note_worker(self, worker_id: int, pid: int) -> None:
-        pass
-
-    def crash_report(self) -> CrashReport:
+    def crash_report(self, settle_s: float = 0) -> CrashReport:
         return CrashReport(None, None, None, None)
 
     async def shutdown(self, *, graceful: bool) -> None:
@@ -503,6 +500,7 @@ class _Epoch:
         self._restarting: asyncio.Event | None = None
         self._kills: Counter[int] = Counter()
         self._restarts = 0
+        self._failed = False  # a fatal error was queued: submit nothing more
         # Iterable datasets: torch's round-robin over workers that are not exhausted.
         self._active = [True] * max(1, workers)
         self._next_worker = 0
@@ -552,6 +550,8 @@ class _Epoch:
                 await self._permits.acquire()
                 if self._restarting is not None:
                     await self._restarting.wait()
+                if self._failed:
+                    return
                 if self._loader._is_iterable:
                     wid = self._pick_worker()
                     if wid is None:
@@ -624,7 +624,6 @@ class _Epoch:
             self._reorder.put(send_idx, _Failure(exc))
             return
         res: _worker.Result = fut.result()
-        self._pool.note_worker(res.worker_id, res.pid)
         self._loader._busy_s += res.busy_s
         if isinstance(res.data, _worker.Exhausted):
             self._active[res.data.worker_id] = False
@@ -636,58 +635,94 @@ class _Epoch:
     # ---------------------------------------------------------------------------- crashes
 
     def _on_crash(self, gen: int) -> None:
-        if gen != self._generation or self._restarting is not None or self._finished:
+        """A future of pool generation ``gen`` failed with BrokenProcessPool. Runs once per pool."""
+        if gen != self._generation or self._failed or self._finished:
             return
-        pool = self._pool
-        report: CrashReport = pool.crash_report()
-        held = report.send_idx if report.send_idx in self._in_flight else None
+        self._generation += 1  # every other future of the broken pool is now stale
+        self._restarting = asyncio.Event()
+        self._loader._spawn_cleanup(self._recover(self._pool))
+
+    async def _recover(self, pool: Any) -> None:
+        """Diagnose a crash, then either replace the pool and resubmit, or fail the epoch."""
+        event = self._restarting
+        assert event is not None
+        try:
+            report: CrashReport = await run_off_loop(pool.crash_report, name="diagnose")
+            err = self._crash_error(report)
+            if err is not None:
+                _logger.debug("fatal worker crash: %s", err)
+                self._failed = True
+                self._reorder.fail(err)
+                self._retire_pool(pool)
+                return
+            loader = self._loader
+            self._restarts += 1
+            loader._restarts += 1
+            warnings.warn(
+                f"{self._describe(report)}; restarting the workers and resubmitting "
+                f"{len(self._in_flight)} batch(es) in flight (restart {self._restarts} of at most "
+                f"{loader.max_worker_restarts} this epoch)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+            pool.hand_over_payload()
+            await pool.shutdown(graceful=False)
+            new = await WorkerPool.start(lambda: pool.spec, pool._ctx, pool._per_worker)
+            if self._finished:
+                await new.shutdown(graceful=False)
+                return
+            if loader._persistent_pool is pool:
+                loader._persistent_pool = new
+            self._pool = new
+            self._restarting = None
+            for send_idx in sorted(self._in_flight):
+                self._submit(send_idx)
+        except BaseException as exc:
+            self._failed = True
+            self._reorder.fail(exc)
+        finally:
+            self._restarting = None
+            event.set()
+
+    def _describe(self, report: CrashReport) -> str:
         msg = f"DataLoader {report.describe()}"
-        if held is not None:
+        held = report.send_idx
+        if held is not None and held in self._in_flight:
             msg += f" while loading batch send_idx={held} (indices {self._in_flight[held][0]!r})"
+        return msg
+
+    def _crash_error(self, report: CrashReport) -> WorkerCrashedError | None:
+        """The error to fail the epoch with, or None if the workers may be restarted."""
         loader = self._loader
-        err: WorkerCrashedError | None = None
+        msg = self._describe(report)
+        held = report.send_idx if report.send_idx in self._in_flight else None
+        indices = self._in_flight[held][0] if held is not None else None
         if held is not None:
             self._kills[held] += 1
         if loader._is_iterable:
-            err = WorkerCrashedError(
+            return WorkerCrashedError(
                 f"{msg}. An IterableDataset worker's position in its stream dies with it, so "
                 "it is not restarted (its samples would be lost or repeated).",
                 worker_id=report.worker_id,
                 exitcode=report.exitcode,
             )
-        elif held is not None and self._kills[held] >= 2:
-            err = PoisonBatchError(
+        if held is not None and self._kills[held] >= 2:
+            return PoisonBatchError(
                 f"{msg}. This index batch killed its worker twice: one of these samples crashes "
                 "the process that loads it (look for a native crash or out-of-memory kill).",
                 worker_id=report.worker_id,
                 exitcode=report.exitcode,
-                indices=self._in_flight[held][0],
+                indices=indices,
             )
-        elif self._restarts >= loader.max_worker_restarts:
-            err = WorkerCrashedError(
+        if self._restarts >= loader.max_worker_restarts:
+            return WorkerCrashedError(
                 f"{msg}. The workers were already restarted {self._restarts} time(s) this epoch "
                 f"(max_worker_restarts={loader.max_worker_restarts}).",
                 worker_id=report.worker_id,
                 exitcode=report.exitcode,
-                indices=self._in_flight[held][0] if held is not None else None,
+                indices=indices,
             )
-        if err is not None:
-            _logger.debug("fatal worker crash: %s", err)
-            self._reorder.fail(err)
-            self._retire_pool(pool)
-            return
-        self._restarts += 1
-        loader._restarts += 1
-        warnings.warn(
-            f"{msg}; restarting the workers and resubmitting {len(self._in_flight)} batch(es) "
-            f"in flight (restart {self._restarts} of at most {loader.max_worker_restarts} "
-            "this epoch)",
-            RuntimeWarning,
-            stacklevel=1,
-        )
-        self._generation += 1
-        self._restarting = asyncio.Event()
-        loader._spawn_cleanup(self._restart(pool))
+        return None
 
     def _retire_pool(self, pool: Any) -> None:
         """Take a broken pool out of service (and out of the loader, if it was persistent)."""
@@ -697,29 +732,6 @@ class _Epoch:
         if self._owns_pool:
             self._owns_pool = False
             self._loader._spawn_cleanup(pool.shutdown(graceful=False))
-
-    async def _restart(self, old: WorkerPool) -> None:
-        event = self._restarting
-        assert event is not None
-        try:
-            old.hand_over_payload()
-            await old.shutdown(graceful=False)
-            new = await WorkerPool.start(lambda: old.spec, old._ctx, old._per_worker)
-            if self._finished:
-                await new.shutdown(graceful=False)
-                return
-            if self._loader._persistent_pool is old:
-                self._loader._persistent_pool = new
-            self._pool = new
-            self._restarting = None
-            for send_idx in sorted(self._in_flight):
-                self._submit(send_idx)
-        except BaseException as exc:
-            self._reorder.fail(exc)
-            raise
-        finally:
-            self._restarting = None
-            event.set()
 
     # ---------------------------------------------------------------------------- consumer
 

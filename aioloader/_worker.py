@@ -141,7 +141,7 @@ def _fast_exit() -> None:
     os._exit(0)
 
 
-def init(spec: WorkerSpec, id_counter: Any, slots: Any) -> None:
+def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
     """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
 
     A failure is stored and reported by every later fetch, so the consumer sees the original
@@ -162,6 +162,7 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any) -> None:
         with id_counter.get_lock():
             worker_id = id_counter.value
             id_counter.value += 1
+    pid_slots[worker_id] = os.getpid()
     _state.worker_id = worker_id
     _state.spec = spec
     _state.slots = slots
