@@ -21,15 +21,22 @@ from tests import datasets
 START_METHODS = ["fork", "spawn", "forkserver"]
 
 
-def _children() -> set[int]:
+def worker_processes() -> set[int]:
+    """Our descendant processes, less the stdlib's process-wide helpers (kept by design).
+
+    The fork server and the resource tracker are started once and live as long as this process;
+    forkserver *workers* are children of the fork server and are counted.
+    """
     out = set()
     for p in psutil.Process().children(recursive=True):
         try:
             cmd = " ".join(p.cmdline())
+            parent = p.ppid()
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
-        # The stdlib's process-wide helpers, started once and kept by design.
-        if "multiprocessing.forkserver" in cmd or "resource_tracker" in cmd:
+        if "resource_tracker" in cmd:
+            continue
+        if "multiprocessing.forkserver" in cmd and parent == os.getpid():
             continue
         out.add(p.pid)
     return out
@@ -51,7 +58,7 @@ def _shm() -> set[str]:
 
 
 def _snapshot() -> tuple[set[int], set[int], int, set[str]]:
-    return _children(), _threads(), len(_fds()), _shm()
+    return worker_processes(), _threads(), len(_fds()), _shm()
 
 
 @pytest.fixture(scope="session", autouse=True)
