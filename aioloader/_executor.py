@@ -1,11 +1,15 @@
 """Worker processes behind ``ProcessPoolExecutor``. Runs in: the event loop, with blocking steps
 (process start, pickling the payload, joins) on short-lived helper threads.
 
-Map-style datasets use one pool of ``num_workers`` processes fed from one shared queue, so an idle
-worker always takes the next batch and a slow batch does not hold up the ones behind it.
-Iterable-style datasets need worker affinity (each worker iterates its own replica and batches
-must be read from the worker that owns the iterator), so they get one single-process pool per
-worker id, and the scheduler assigns batches to workers round-robin as torch does.
+Two shapes, chosen by the loader:
+
+* **Pinned** (iterable-style datasets, and map-style with ``in_order=True``): one single-process
+  executor per worker id; the scheduler assigns batches round-robin as torch does. Iterables need
+  it (each worker iterates its own replica); in-order map-style loading uses it so each worker's
+  RNG stream sees the same batches as under torch, which makes seeded runs reproduce torch's.
+* **Shared** (map-style with ``in_order=False``): one executor of ``num_workers`` processes fed
+  from one queue, so an idle worker always takes the next batch and a slow batch does not hold up
+  the ones queued behind it.
 """
 
 from __future__ import annotations

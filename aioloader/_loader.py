@@ -265,6 +265,12 @@ class AsyncDataLoader(Generic[_T_co]):
             )
         object.__setattr__(self, "_torch", torch_loader)
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
+        # Which worker loads a batch decides its random augmentations (each worker's RNG is one
+        # stream seeded base_seed + worker_id). In order, batches go to workers round-robin as in
+        # torch, so a fixed generator reproduces torch's batches exactly. in_order=False gives up
+        # that determinism anyway, so there all workers share one queue and a slow batch never
+        # holds up the ones queued behind it on the same worker.
+        self._pinned_workers = self._is_iterable or in_order
         self.max_worker_restarts = max_worker_restarts
         self._state = _State.OPEN
         self._epoch_no = 0
@@ -421,7 +427,7 @@ class AsyncDataLoader(Generic[_T_co]):
 
     async def _new_pool(self, base_seed: int) -> WorkerPool:
         return await WorkerPool.start(
-            functools.partial(self._make_spec, base_seed), self._mp_context(), self._is_iterable
+            functools.partial(self._make_spec, base_seed), self._mp_context(), self._pinned_workers
         )
 
     async def _acquire_pool(self, base_seed: int) -> tuple[Any, bool]:
@@ -552,7 +558,7 @@ class _Epoch:
                     await self._restarting.wait()
                 if self._failed:
                     return
-                if self._loader._is_iterable:
+                if self._loader._pinned_workers:
                     wid = self._pick_worker()
                     if wid is None:
                         self._permits.release()
