@@ -321,6 +321,7 @@ async def test_aclose_waits_off_the_loop_and_cancels_queued_batches(
         queued = asyncio.create_task(stage.process(Item(1, log)))
         await entered.wait()
         closing = asyncio.create_task(stage.aclose())
+        await asyncio.wait([queued])  # cancelled by aclose() while the thread is still busy
         ticks = 0
         for _ in range(5):  # the loop keeps running while aclose() waits for the thread
             await asyncio.sleep(0.01)
@@ -395,6 +396,9 @@ async def test_cancelling_a_queued_batch_means_it_never_runs(
         third = asyncio.create_task(stage.process(Item(2, log)))
         await entered.wait()
         second.cancel()
+        # Task.cancel() cancels the executor's future one loop iteration later; by the time the
+        # task is done it has, so opening the gate only now makes the test deterministic.
+        await asyncio.wait([second])
         gate.set()
         assert [(await first).tag, (await third).tag] == [0, 2]
         assert second.cancelled()
