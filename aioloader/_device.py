@@ -195,7 +195,9 @@ class DeviceStage:
         When this returns, the consumer stream is already ordered after the copy. If the awaiting
         task is cancelled, a batch already on the thread is finished and dropped, a batch still
         queued is never processed. Errors from a custom ``pin_memory()`` keep their type.
-        A stage that is not ``active`` returns ``batch`` itself.
+        A stage that is not ``active`` returns ``batch`` itself. The caller keeps a reference to
+        each CUDA batch it delivers until the consumer asks for the next one (the guard described
+        in the module docstring).
 
         Raises:
             RuntimeError: ``start()`` was not called, or the stage was closed.
