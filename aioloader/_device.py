@@ -57,6 +57,8 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data._utils import pin_memory as _torch_pin
 
+from ._threads import run_off_loop
+
 __all__ = ("DeviceStage",)
 
 _logger = logging.getLogger(__name__)
@@ -238,9 +240,12 @@ class DeviceStage:
             pool, self._pool = self._pool, None
             if pool is not None:
                 _logger.debug("device stage closing")
-                # The join blocks, so it runs on the loop's default executor.
-                self._join = asyncio.get_running_loop().run_in_executor(
-                    None, functools.partial(pool.shutdown, wait=True, cancel_futures=True)
+                # The join blocks, so it runs off the loop, on a thread that is gone afterwards.
+                self._join = asyncio.ensure_future(
+                    run_off_loop(
+                        functools.partial(pool.shutdown, wait=True, cancel_futures=True),
+                        name="stage-join",
+                    )
                 )
         if self._join is not None:
             await asyncio.shield(self._join)

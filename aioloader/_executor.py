@@ -14,7 +14,6 @@ Two shapes, chosen by the loader:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import logging
@@ -27,69 +26,19 @@ from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import replace
 from multiprocessing.context import BaseContext
-from typing import Any, TypeVar
+from typing import Any
 
 from . import _worker
+from ._threads import run_off_loop
 
-__all__ = ("CrashReport", "WorkerPool", "run_off_loop")
+__all__ = ("CrashReport", "WorkerPool")
 
 _logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 #: How long idle workers get to exit after being asked to, before they are killed.
 SHUTDOWN_GRACE_S = 5.0
 
 _forkserver_lock = threading.Lock()
-
-
-async def run_off_loop(
-    fn: Callable[[], _T], *, name: str, on_abandon: Callable[[_T], None] | None = None
-) -> _T:
-    """Run a blocking ``fn`` on a fresh thread and await it; the thread is gone when this returns.
-
-    ``fn`` cannot be interrupted, so cancelling the caller waits for it to finish, hands its
-    result to ``on_abandon`` (also off the loop) to release what it created, and only then
-    re-raises the cancellation: nothing ``fn`` made outlives the cancelled caller.
-    """
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[tuple[bool, Any]] = loop.create_future()
-
-    def settle(outcome: tuple[bool, Any]) -> None:
-        if not fut.done():
-            fut.set_result(outcome)
-
-    def target() -> None:
-        try:
-            outcome: tuple[bool, Any] = (True, fn())
-        except BaseException as exc:
-            outcome = (False, exc)
-        try:
-            loop.call_soon_threadsafe(settle, outcome)
-        except RuntimeError:  # the loop closed while we worked: nobody is left to tell
-            if outcome[0] and on_abandon is not None:
-                on_abandon(outcome[1])
-
-    thread = threading.Thread(target=target, name=f"aioloader-{name}", daemon=True)
-    thread.start()
-    cancelled: asyncio.CancelledError | None = None
-    while True:
-        try:
-            ok, value = await asyncio.shield(fut)
-            break
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    # The thread's last act was to schedule `settle`: it is exiting, so the join is instant.
-    thread.join()
-    if cancelled is not None:
-        if ok and on_abandon is not None:
-            release = threading.Thread(target=on_abandon, args=(value,), name=f"aioloader-{name}")
-            release.start()
-            while release.is_alive():
-                await asyncio.sleep(0.01)
-        raise cancelled
-    if ok:
-        return value  # type: ignore[no-any-return]
-    raise value
 
 
 def _prepare_forkserver(ctx: BaseContext) -> None:

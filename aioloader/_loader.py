@@ -36,8 +36,10 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, _DatasetKind
 
 from . import _transport, _worker
+from ._device import DeviceStage
 from ._errors import LoaderClosedError, LoaderTimeoutError, PoisonBatchError, WorkerCrashedError
-from ._executor import CrashReport, WorkerPool, run_off_loop
+from ._executor import CrashReport, WorkerPool
+from ._threads import run_off_loop
 from ._reorder import ReorderBuffer
 
 __all__ = ("AsyncDataLoader", "LoaderStats")
@@ -105,6 +107,9 @@ class _Direct(NamedTuple):
     """A batch loaded in this process (``num_workers=0``): no transport needed."""
 
     value: Any
+
+
+_END = object()  # the device feeder's end-of-epoch marker
 
 
 class _Failure(NamedTuple):
@@ -193,6 +198,12 @@ class AsyncDataLoader(Generic[_T_co]):
     manager (or call :meth:`aclose`) so worker processes are released deterministically.
 
     Args:
+        device: ``"cuda"``, ``"cuda:N"`` or a ``torch.device`` to receive batches already on the
+            GPU: each batch is pinned and copied with ``non_blocking=True`` on a side stream of one
+            dedicated thread, and is safe to use on the consumer's current stream as delivered.
+            ``None`` or ``"cpu"`` keeps batches on the host.
+        device_prefetch: Batches kept ready on the device (or pinned) ahead of the consumer, so
+            the copy of the next batch overlaps the compute on this one.
         max_worker_restarts: Worker pools the loader may replace per epoch after a worker process
             dies; the batches in flight are resubmitted, so no sample is lost or repeated.
             0 fails at the first crash, as torch does. An index batch that kills its worker twice
@@ -226,6 +237,8 @@ class AsyncDataLoader(Generic[_T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        device: str | torch.device | None = None,
+        device_prefetch: int = 2,
         max_worker_restarts: int = 3,
     ) -> None:
         # torch's own constructor does the validation, picks the default samplers and collate_fn,
@@ -263,6 +276,21 @@ class AsyncDataLoader(Generic[_T_co]):
             raise ValueError(
                 f"max_worker_restarts should be a non-negative int, got {max_worker_restarts!r}"
             )
+        if (
+            not isinstance(device_prefetch, int)
+            or isinstance(device_prefetch, bool)
+            or device_prefetch < 1
+        ):
+            raise ValueError(
+                f"device_prefetch should be a positive int (batches kept ready on the device "
+                f"ahead of the consumer), got {device_prefetch!r}"
+            )
+        with warnings.catch_warnings():
+            # Validates `device` now; torch's pin_memory warnings are given per epoch, as torch does.
+            warnings.simplefilter("ignore")
+            DeviceStage(pin_memory=pin_memory, device=device, pin_memory_device=pin_memory_device)
+        self.device = device
+        self.device_prefetch = device_prefetch
         object.__setattr__(self, "_torch", torch_loader)
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
         # Which worker loads a batch decides its random augmentations (each worker's RNG is one
@@ -339,6 +367,12 @@ class AsyncDataLoader(Generic[_T_co]):
                 "this loader was closed; create a new AsyncDataLoader to iterate again"
             )
         self._abandon_current()
+        if self.pin_memory and self.pin_memory_device:
+            warnings.warn(
+                "pin_memory_device is deprecated, the current accelerator will be used as the "
+                f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
+                stacklevel=2,
+            )
         if self.pin_memory and not torch.accelerator.is_available():
             warnings.warn(
                 "'pin_memory' argument is set as true but no accelerator is found, "
@@ -516,7 +550,16 @@ class _Epoch:
         self._started_at: float | None = None
         self._yielded = 0
         self._finished = False  # end reached or abandoned: nothing runs any more
-        self._len_warned = False
+        # Device stage (pin_memory / device=): a feeder task moves batches from the reorder buffer
+        # through the device thread into _ready, keeping up to device_prefetch batches ahead.
+        self._stage: DeviceStage | None = None
+        self._feed_task: asyncio.Task[None] | None = None
+        self._device_slots: asyncio.Semaphore | None = None
+        self._ready: asyncio.Queue[Any] = asyncio.Queue()
+        # The reference-holding guard: the batch delivered last stays referenced until the
+        # consumer asks for the next one, so its device memory is freed only after the consumer
+        # has queued all its work on it (see _device.py).
+        self._last_delivered: Any = None
 
     def in_flight_count(self) -> int:
         return len(self._in_flight) + len(self._reorder)
@@ -530,9 +573,26 @@ class _Epoch:
                 await pool.shutdown(graceful=False)
             return
         self._pool, self._owns_pool = pool, owned
-        self._sched_task = asyncio.get_running_loop().create_task(
+        loop = asyncio.get_running_loop()
+        self._sched_task = loop.create_task(
             self._schedule(), name=f"aioloader-scheduler:{self._epoch_no}"
         )
+        loader = self._loader
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # given once per epoch by __aiter__, as torch does
+            stage = DeviceStage(
+                pin_memory=loader.pin_memory,
+                device=loader.device,
+                pin_memory_device=loader.pin_memory_device,
+            )
+        if stage.active:
+            # After the workers exist: starting CUDA and a thread must not precede a fork.
+            stage.start()
+            self._stage = stage
+            self._device_slots = asyncio.Semaphore(loader.device_prefetch)
+            self._feed_task = loop.create_task(
+                self._feed_device(stage), name=f"aioloader-device-feed:{self._epoch_no}"
+            )
 
     async def _ensure_started(self) -> None:
         if self._start_task is None:
@@ -755,35 +815,72 @@ class _Epoch:
         except BaseException:
             await self.aclose()
             raise
+        self._last_delivered = None
         timeout = loader.timeout
         try:
             if timeout > 0:
                 try:
                     async with asyncio.timeout(timeout):
-                        item = await self._reorder.get()
+                        value = await self._next_value()
                 except TimeoutError:
                     raise LoaderTimeoutError(
                         f"DataLoader timed out after {timeout} seconds"
                     ) from None
             else:
-                item = await self._reorder.get()
-        except StopAsyncIteration:
-            await self.aclose()
-            raise
-        except (WorkerCrashedError, LoaderTimeoutError):
+                value = await self._next_value()
+        except (StopAsyncIteration, WorkerCrashedError, LoaderTimeoutError):
             await self.aclose()
             raise
         finally:
-            waited = time.perf_counter() - t0
-            loader._wait_s += waited
-        self._permits.release()
+            loader._wait_s += time.perf_counter() - t0
         if self._yielded == 0 and self._started_at is not None:
             loader._ttfb = time.perf_counter() - self._started_at
         self._yielded += 1
         loader._batches += 1
-        value = self._decode(item)
         self._check_iterable_len()
+        if self._stage is not None:
+            self._last_delivered = value
         return value
+
+    async def _next_value(self) -> Any:
+        """The next batch, decoded (and pinned/moved when the device stage is on)."""
+        if self._stage is None:
+            item = await self._reorder.get()
+            self._permits.release()
+            return self._decode(item)
+        ready = await self._ready.get()
+        assert self._device_slots is not None
+        self._device_slots.release()
+        if isinstance(ready, _Failure):
+            raise ready.exc
+        if ready is _END:
+            raise StopAsyncIteration
+        return ready
+
+    async def _feed_device(self, stage: DeviceStage) -> None:
+        """Runs in: a task. reorder buffer -> decode -> device thread -> _ready, in order."""
+        slots = self._device_slots
+        assert slots is not None
+        while True:
+            await slots.acquire()
+            try:
+                item = await self._reorder.get()
+            except StopAsyncIteration:
+                self._ready.put_nowait(_END)
+                return
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # fatal (worker crash): the consumer raises it
+                self._ready.put_nowait(_Failure(exc))
+                return
+            self._permits.release()
+            try:
+                value = await stage.process(self._decode(item))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # this batch's error; the epoch goes on, as in torch
+                value = _Failure(exc)
+            self._ready.put_nowait(value)
 
     def _decode(self, item: Any) -> Any:
         if isinstance(item, _Failure):
@@ -825,7 +922,8 @@ class _Epoch:
         self._finished = True
         if self._loader._current is self:
             self._loader._current = None
-        for t in (self._sched_task, self._start_task):
+        self._last_delivered = None
+        for t in (self._sched_task, self._start_task, self._feed_task):
             if t is not None and not t.done():
                 t.cancel()
         for _, _, fut in self._in_flight.values():
@@ -841,10 +939,14 @@ class _Epoch:
         self._loader._spawn_cleanup(self._cleanup(buffered))
 
     async def _cleanup(self, buffered: Sequence[Any]) -> None:
-        for t in (self._sched_task, self._start_task):
+        for t in (self._sched_task, self._start_task, self._feed_task):
             if t is not None:
                 with contextlib.suppress(BaseException):
                     await t
+        if self._stage is not None:
+            await self._stage.aclose()
+        while not self._ready.empty():  # prefetched pinned/device batches: drop them now
+            self._ready.get_nowait()
         for item in buffered:
             _release(item)
         pool, owned = self._pool, self._owns_pool

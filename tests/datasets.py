@@ -218,3 +218,22 @@ def failing_worker_init(worker_id: int) -> None:
 
 def failing_collate(batch: list[Any]) -> Any:
     raise TypeError("collate rejected the batch")
+
+
+class PinnedBatch:
+    """A custom batch type: its ``pin_memory()`` records which thread pinned it."""
+
+    def __init__(self, values: list[int], pinned_by: str | None = None) -> None:
+        self.values = values
+        self.pinned_by = pinned_by
+
+    def pin_memory(self) -> PinnedBatch:
+        import threading
+
+        if -1 in self.values:
+            raise ArithmeticError("this batch cannot be pinned")
+        return PinnedBatch(self.values, threading.current_thread().name)
+
+
+def pinned_batch_collate(samples: list[torch.Tensor]) -> PinnedBatch:
+    return PinnedBatch([int(s) for s in samples])
