@@ -56,7 +56,7 @@ def _prepare_forkserver(ctx: BaseContext) -> None:
             for mod in ("torch", "aioloader._worker"):
                 if mod not in preload:
                     preload.append(mod)
-            ctx.set_forkserver_preload(preload)  # type: ignore[attr-defined]
+            ctx.set_forkserver_preload(preload)
 
 
 class CrashReport:
@@ -102,9 +102,9 @@ class WorkerPool:
         self._executors: list[ProcessPoolExecutor] = []
         # One slot per worker id: the send_idx it is loading now, or -1. Read after a crash to
         # name the batch the dead worker was holding.
-        self._slots: Any = ctx.RawArray(ctypes.c_longlong, [-1] * self.num_workers)  # type: ignore[attr-defined]
+        self._slots: Any = ctx.RawArray(ctypes.c_longlong, [-1] * self.num_workers)
         # One slot per worker id: its pid, written by the worker at start-up.
-        self._pid_slots: Any = ctx.RawArray(ctypes.c_longlong, [0] * self.num_workers)  # type: ignore[attr-defined]
+        self._pid_slots: Any = ctx.RawArray(ctypes.c_longlong, [0] * self.num_workers)
         self._closed = False
         self._owns_payload = True
 
@@ -151,13 +151,13 @@ class WorkerPool:
                 spec = replace(self.spec, fixed_worker_id=wid)
                 self._executors.append(self._new_executor(1, spec, None))
         else:
-            counter = self._ctx.Value("i", 0)  # type: ignore[attr-defined]
+            counter = self._ctx.Value("i", 0)
             self._executors.append(self._new_executor(self.num_workers, self.spec, counter))
         # ProcessPoolExecutor starts spawn/forkserver processes lazily, one per submit with no idle
         # worker, on the submitting thread. Submitting one ping per worker here starts them all on
         # this helper thread, so later submits from the event loop never start a process.
         for ex in self._executors:
-            for _ in range(ex._max_workers):  # type: ignore[attr-defined]
+            for _ in range(1 if self._per_worker else self.num_workers):
                 ex.submit(_worker.ping)
         _logger.debug(
             "started %d workers (%s) in %.3fs",
@@ -180,7 +180,7 @@ class WorkerPool:
         return ex.submit(_worker.fetch, send_idx, indices, epoch)
 
     def _processes(self) -> list[tuple[int, multiprocessing.process.BaseProcess]]:
-        """(worker_id or -1, process) for every process; worker ids are known for per-worker pools."""
+        """(worker_id, process) for every process; the id is -1 in a shared pool."""
         out = []
         for i, ex in enumerate(self._executors):
             procs = getattr(ex, "_processes", None) or {}
@@ -189,7 +189,7 @@ class WorkerPool:
         return out
 
     def crash_report(self, settle_s: float = 1.0) -> CrashReport:
-        """Name the worker that died (call after a ``BrokenProcessPool``). Blocks up to ``settle_s``.
+        """Name the worker that died (after a ``BrokenProcessPool``); blocks up to ``settle_s``.
 
         The executor reports a death as soon as the worker's pipe closes, which can be a moment
         before the kernel makes its exit status available: wait for it briefly.
@@ -205,9 +205,8 @@ class WorkerPool:
         if not dead:
             return CrashReport(None, None, None, None)
         wid, proc = dead[0]
-        if wid < 0:
-            wid = self._worker_id_of_pid(proc.pid) if proc.pid is not None else -1
-            wid = -1 if wid is None else wid
+        if wid < 0 and proc.pid is not None:
+            wid = next((w for w in range(self.num_workers) if self._pid_slots[w] == proc.pid), -1)
         send_idx = self._slots[wid] if wid >= 0 else -1
         return CrashReport(
             wid if wid >= 0 else None,
@@ -215,12 +214,6 @@ class WorkerPool:
             proc.exitcode,
             send_idx if send_idx >= 0 else None,
         )
-
-    def _worker_id_of_pid(self, pid: int) -> int | None:
-        for wid in range(self.num_workers):
-            if self._pid_slots[wid] == pid:
-                return wid
-        return None
 
     def busy_send_idx(self) -> dict[int, int]:
         """worker id -> send_idx it is loading now."""

@@ -39,8 +39,8 @@ from . import _transport, _worker
 from ._device import DeviceStage
 from ._errors import LoaderClosedError, LoaderTimeoutError, PoisonBatchError, WorkerCrashedError
 from ._executor import CrashReport, WorkerPool
-from ._threads import run_off_loop
 from ._reorder import ReorderBuffer
+from ._threads import run_off_loop
 
 __all__ = ("AsyncDataLoader", "LoaderStats")
 
@@ -167,7 +167,7 @@ class _ThreadBackend:
         start = time.perf_counter()
         if self._epoch != epoch:
             self._epoch = epoch
-            self._fetcher = _DatasetKind.create_fetcher(
+            self._fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
                 self._kind, self._dataset, self._auto_collation, self._collate_fn, self._drop_last
             )
         try:
@@ -286,7 +286,7 @@ class AsyncDataLoader(Generic[_T_co]):
                 f"ahead of the consumer), got {device_prefetch!r}"
             )
         with warnings.catch_warnings():
-            # Validates `device` now; torch's pin_memory warnings are given per epoch, as torch does.
+            # Validates `device` now; torch's pin_memory warnings come per epoch, as in torch.
             warnings.simplefilter("ignore")
             DeviceStage(pin_memory=pin_memory, device=device, pin_memory_device=pin_memory_device)
         self.device = device
@@ -345,7 +345,8 @@ class AsyncDataLoader(Generic[_T_co]):
     def __repr__(self) -> str:
         return (
             f"<AsyncDataLoader dataset={type(self.dataset).__name__} "
-            f"batch_size={self.batch_size} num_workers={self.num_workers} state={self._state.value}>"
+            f"batch_size={self.batch_size} num_workers={self.num_workers} "
+            f"state={self._state.value}>"
         )
 
     # -------------------------------------------------------------------------------- lifecycle
@@ -391,7 +392,7 @@ class AsyncDataLoader(Generic[_T_co]):
                 self._persistent_seed = base_seed
         epoch = _Epoch(self, self._epoch_no, base_seed)
         self._epoch_no += 1
-        handle = _EpochIterator(epoch)
+        handle: _EpochIterator[Any] = _EpochIterator(epoch)
         self._current = epoch
         self._current_handle = weakref.ref(handle)
         return handle
@@ -891,8 +892,10 @@ class _Epoch:
             value = data.value
         elif isinstance(data, _worker.RemoteError):
             _raise_remote(data)
-        else:
+        elif isinstance(data, bytes):
             value = _transport.loads_result(data)
+        else:
+            raise RuntimeError(f"aioloader bug: unexpected result {type(data).__name__}")
         self._loader._samples += _batch_len(value, self._loader)
         return value
 

@@ -1,4 +1,4 @@
-"""Reorder stage: releases results by ``send_idx``. Runs in: the event loop. Upstream: the scheduler.
+"""Reorder stage: releases results by ``send_idx``. Runs in: the event loop. Upstream: scheduler.
 
 In order (``in_order=True``) an item is released only when every smaller ``send_idx`` has been
 released or skipped; otherwise items are released as they arrive, smallest index first.

@@ -8,6 +8,7 @@ behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -57,10 +58,9 @@ async def run_off_loop(
     thread.join()
     if cancelled is not None:
         if ok and on_abandon is not None:
-            release = threading.Thread(target=on_abandon, args=(value,), name=f"aioloader-{name}")
-            release.start()
-            while release.is_alive():
-                await asyncio.sleep(0.01)
+            release = on_abandon
+            with contextlib.suppress(asyncio.CancelledError):  # we are re-raising one anyway
+                await run_off_loop(lambda: release(value), name=f"{name}-release")
         raise cancelled
     if ok:
         return value  # type: ignore[no-any-return]

@@ -2,17 +2,18 @@
 
 Two directions, two policies:
 
-* **Results (worker -> main).** A batch is pickled *in the worker* into ``bytes`` and the executor only
-  moves those bytes. Tensors below :data:`INLINE_TENSOR_BYTES` travel inline (a memcpy); larger ones
-  travel through shared memory with torch's own reductions, which hand over a file descriptor and never
-  copy the data through the pipe. A shared-memory segment costs a descriptor hand-over per tensor (a
-  socket round trip with the worker), which dominates for small tensors: see ``FINDINGS.md``.
+* **Results (worker -> main).** A batch is pickled *in the worker* into ``bytes`` and the executor
+  only moves those bytes. Tensors below :data:`INLINE_TENSOR_BYTES` travel inline (a memcpy);
+  larger ones travel through shared memory with torch's own reductions, which hand over a file
+  descriptor and never copy the data through the pipe. A shared-memory segment costs a descriptor
+  hand-over per tensor (a socket round trip with the worker), which dominates for small tensors.
 * **Worker payload (main -> workers, spawn/forkserver only).** The dataset, ``collate_fn`` and
   ``worker_init_fn`` are pickled *once* into a file that every worker reads in parallel, instead of
   once per worker through each worker's start-up pipe. Tensors of at least
   :data:`SHARED_PAYLOAD_TENSOR_BYTES` are taken out of that file and handed over through shared
-  memory, so N workers do not hold N copies of a preloaded tensor dataset. Objects that plain pickle
-  cannot carry (lambdas, classes defined in a notebook or ``python -c``) are carried with cloudpickle.
+  memory, so N workers do not hold N copies of a preloaded tensor dataset. Objects that plain
+  pickle cannot carry (lambdas, classes defined in a notebook or ``python -c``) are carried with
+  cloudpickle.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ __all__ = (
     "loads_result",
 )
 
-#: Tensors smaller than this are copied into the result bytes instead of shared memory. Measured with
-#: ``python -m aioloader.benchmark --workload tiny``: below ~64 KiB the memcpy is cheaper than the
-#: descriptor hand-over a shared-memory segment needs.
+#: Tensors smaller than this are copied into the result bytes instead of shared memory: below
+#: ~64 KiB the memcpy is cheaper than the descriptor hand-over a shared-memory segment needs
+#: (``python -m aioloader.benchmark --workload tiny`` shows the difference).
 INLINE_TENSOR_BYTES = 64 * 1024
 
 #: Dataset tensors at least this large are shared with the workers instead of pickled by value.
@@ -79,7 +80,7 @@ def _reduce_result_tensor(t: torch.Tensor) -> tuple[Callable[..., Any], tuple[An
         data = ctypes.string_at(c.data_ptr(), nbytes) if nbytes else b""
         return _rebuild_inline_tensor, (data, t.dtype, tuple(t.shape))
     # Large or special tensors: torch's own reduction, which moves the storage into shared memory
-    # (default_collate already built it there when get_worker_info() is set) and passes a descriptor.
+    # (default_collate already built it there when get_worker_info() is set) and sends an fd.
     return reduce_tensor(t)  # type: ignore[no-untyped-call,no-any-return]
 
 
@@ -121,7 +122,8 @@ def _make_payload_pickler(
         if t.numel() * t.element_size() >= SHARED_PAYLOAD_TENSOR_BYTES and t.device.type == "cpu":
             side.append(t)
             return _shared_payload_tensor, (len(side) - 1,)
-        return t.__reduce_ex__(_PICKLE_PROTOCOL)
+        reduced: tuple[Any, ...] = t.__reduce_ex__(_PICKLE_PROTOCOL)  # type: ignore[no-untyped-call]
+        return reduced
 
     table = dict(base_table)
     table[torch.Tensor] = reduce_dataset_tensor

@@ -10,6 +10,7 @@ never breaks the process pool.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import random
@@ -42,7 +43,7 @@ class WorkerSpec:
     auto_collation: bool
     drop_last: bool
     main_pid: int
-    #: spawn/forkserver: (path, shared tensors) of the payload file. fork: None (``objects`` is used).
+    #: spawn/forkserver: (path, shared tensors) of the payload file; fork: None (see ``objects``).
     payload_file: tuple[str, list[torch.Tensor]] | None
     #: fork only: (dataset, collate_fn, worker_init_fn), inherited through fork without pickling.
     objects: tuple[Any, Any, Any] | None
@@ -51,7 +52,7 @@ class WorkerSpec:
 
 
 class Exhausted(NamedTuple):
-    """An iterable-style worker has no more data this epoch (torch's ``_IterableDatasetStopIteration``)."""
+    """An iterable-style worker ran dry this epoch (torch's ``_IterableDatasetStopIteration``)."""
 
     worker_id: int
 
@@ -71,7 +72,7 @@ class RemoteError(NamedTuple):
     @classmethod
     def capture(cls, where: str) -> RemoteError:
         """Capture the exception being handled. Call only inside an ``except`` block."""
-        wrapper = ExceptionWrapper(where=where)
+        wrapper = ExceptionWrapper(where=where)  # type: ignore[no-untyped-call]
         exc_type = wrapper.exc_type
         try:
             type_bytes: bytes | None = pickle.dumps(exc_type)
@@ -82,7 +83,7 @@ class RemoteError(NamedTuple):
 
 
 class Result(NamedTuple):
-    """What a task returns: ``data`` is :func:`aioloader._transport.dumps_result` bytes, or why not."""
+    """What a task returns: ``data`` is :func:`~aioloader._transport.dumps_result` bytes, or not."""
 
     send_idx: int
     worker_id: int
@@ -106,7 +107,7 @@ _state = _State()
 
 
 def _watch_parent(main_pid: int) -> None:
-    """Exit when the main process dies, even by SIGKILL: a worker never outlives its loader's process.
+    """Exit when the main process dies, even by SIGKILL: a worker never outlives its loader.
 
     A pidfd becomes readable when the process exits; this works for forkserver workers too, whose
     parent is the fork server rather than the main process.
@@ -134,10 +135,8 @@ def _fast_exit() -> None:
     # Interpreter finalisation would free the whole dataset object by object (0.5-1 s for large
     # datasets, see FINDINGS.md) only for the kernel to drop the memory anyway.
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:
-            pass
     os._exit(0)
 
 
@@ -147,7 +146,7 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
     A failure is stored and reported by every later fetch, so the consumer sees the original
     exception type instead of a broken pool.
     """
-    signal_handling._set_worker_signal_handlers()
+    signal_handling._set_worker_signal_handlers()  # type: ignore[attr-defined]
     torch.set_num_threads(1)
     threading.Thread(
         target=_watch_parent, args=(spec.main_pid,), name="aioloader-parent-watch", daemon=True
@@ -180,7 +179,7 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
         except ImportError:
             pass
         else:
-            np.random.seed(torch_worker._generate_state(spec.base_seed, worker_id))
+            np.random.seed(torch_worker._generate_state(spec.base_seed, worker_id))  # type: ignore[no-untyped-call]
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
@@ -189,7 +188,7 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
         if not spec.is_iterable:
-            _state.fetcher = _DatasetKind.create_fetcher(
+            _state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
                 _DatasetKind.Map, dataset, spec.auto_collation, collate_fn, spec.drop_last
             )
     except Exception:
@@ -219,7 +218,7 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
                 # A new epoch: a fresh iterator over this worker's replica, as torch does.
                 _state.epoch = epoch
                 _state.fetcher = None
-                _state.fetcher = _DatasetKind.create_fetcher(
+                _state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
                     _DatasetKind.Iterable,
                     _state.dataset,
                     spec.auto_collation,

@@ -25,13 +25,21 @@ BAD_ARGS: list[Any] = [
     pytest.param((RANGE,), {"prefetch_factor": 2}, id="prefetch-without-workers"),
     pytest.param((RANGE,), {"num_workers": 1, "prefetch_factor": -1}, id="negative-prefetch"),
     pytest.param((RANGE,), {"persistent_workers": True}, id="persistent-without-workers"),
-    pytest.param((RANGE,), {"shuffle": True, "sampler": SequentialSampler(RANGE)}, id="sampler+shuffle"),
-    pytest.param((RANGE,), {"batch_sampler": [[0, 1]], "batch_size": 2}, id="batch_sampler+batch_size"),
-    pytest.param((RANGE,), {"batch_sampler": [[0, 1]], "shuffle": True}, id="batch_sampler+shuffle"),
+    pytest.param(
+        (RANGE,), {"shuffle": True, "sampler": SequentialSampler(RANGE)}, id="sampler+shuffle"
+    ),
+    pytest.param(
+        (RANGE,), {"batch_sampler": [[0, 1]], "batch_size": 2}, id="batch_sampler+batch_size"
+    ),
+    pytest.param(
+        (RANGE,), {"batch_sampler": [[0, 1]], "shuffle": True}, id="batch_sampler+shuffle"
+    ),
     pytest.param(
         (RANGE,), {"batch_sampler": [[0, 1]], "sampler": [0, 1]}, id="batch_sampler+sampler"
     ),
-    pytest.param((RANGE,), {"batch_sampler": [[0, 1]], "drop_last": True}, id="batch_sampler+drop_last"),
+    pytest.param(
+        (RANGE,), {"batch_sampler": [[0, 1]], "drop_last": True}, id="batch_sampler+drop_last"
+    ),
     pytest.param((RANGE,), {"batch_size": None, "drop_last": True}, id="no-batch+drop_last"),
     pytest.param((ITER,), {"shuffle": True}, id="iterable+shuffle"),
     pytest.param((ITER,), {"sampler": [0, 1]}, id="iterable+sampler"),

@@ -1,4 +1,4 @@
-"""Errors from user code keep their type; dead workers and stalls become clear errors, never hangs."""
+"""User errors keep their type; dead workers and stalls become clear errors, never hangs."""
 
 from __future__ import annotations
 
@@ -142,9 +142,11 @@ async def test_poison_batch_is_named_after_two_deaths() -> None:
     async with AsyncDataLoader(
         datasets.ExitDataset(20, bad=9), batch_size=4, num_workers=2
     ) as loader:
-        with pytest.warns(RuntimeWarning, match="restarting the workers"):
-            with pytest.raises(PoisonBatchError) as info:
-                await collect(loader, limit=60)
+        with (
+            pytest.warns(RuntimeWarning, match="restarting the workers"),
+            pytest.raises(PoisonBatchError) as info,
+        ):
+            await collect(loader, limit=60)
     assert info.value.indices == [8, 9, 10, 11]
     assert "killed its worker twice" in str(info.value)
 
@@ -194,7 +196,7 @@ async def test_timeout_raises_instead_of_waiting_forever() -> None:
         datasets.SlowDataset(4, delay=3.0), num_workers=1, timeout=0.3
     ) as loader:
         t0 = time.monotonic()
-        with pytest.raises(LoaderTimeoutError, match="timed out after 0.3 seconds"):
+        with pytest.raises(LoaderTimeoutError, match=r"timed out after 0\.3 seconds"):
             await collect(loader)
         assert time.monotonic() - t0 < 3.0
 
@@ -212,7 +214,9 @@ async def test_sampler_error_surfaces_at_its_position() -> None:
         yield 1
         raise LookupError("sampler broke")
 
-    async with AsyncDataLoader(datasets.RangeDataset(5), sampler=sampler(), num_workers=1) as loader:
+    async with AsyncDataLoader(
+        datasets.RangeDataset(5), sampler=sampler(), num_workers=1
+    ) as loader:
         got: list[Any] = []
         with pytest.raises(LookupError, match="sampler broke"):
             async with asyncio.timeout(30):

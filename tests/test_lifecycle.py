@@ -22,7 +22,6 @@ from aioloader import AsyncDataLoader
 from tests import datasets
 from tests.conftest import collect, worker_processes
 
-
 _worker_pids = worker_processes
 
 
@@ -221,7 +220,7 @@ def test_workers_exit_when_the_main_process_is_killed(method: str) -> None:
         assert len(workers) >= 2
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
-        gone, alive = psutil.wait_procs(workers, timeout=10)
+        _, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive, f"workers outlived their parent: {alive}"
     finally:
         if parent.poll() is None:

@@ -173,4 +173,3 @@ async def test_iterable_len_mismatch_warns_like_torch() -> None:
     with pytest.warns(UserWarning, match="was reported to be 3"):
         async with loader:
             assert len(await collect(loader)) == 6
-
