@@ -14,8 +14,10 @@ skipped), not when a worker finishes it, so a straggler can never make the reord
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import enum
+import errno
 import functools
 import logging
 import multiprocessing
@@ -478,6 +480,11 @@ class AsyncDataLoader(Generic[_T_co]):
                 self._persistent_pool = await self._new_pool(base_seed)
             return self._persistent_pool, False
 
+    def _one_shot_sampler(self) -> bool:
+        return any(
+            isinstance(s, collections.abc.Iterator) for s in (self.sampler, self.batch_sampler)
+        )
+
     # ----------------------------------------------------------------------------------- stats
 
     def stats(self) -> LoaderStats:
@@ -568,7 +575,12 @@ class _Epoch:
     # ---------------------------------------------------------------------------- start-up
 
     async def _start(self) -> None:
-        pool, owned = await self._loader._acquire_pool(self._base_seed)
+        try:
+            pool, owned = await self._loader._acquire_pool(self._base_seed)
+        except OSError as exc:
+            if exc.errno == errno.EMFILE:
+                raise _emfile_error(exc) from exc
+            raise
         if self._finished:  # abandoned while the pool started
             if owned:
                 await pool.shutdown(graceful=False)
@@ -628,8 +640,17 @@ class _Epoch:
                     wid = None
                 try:
                     indices = next(self._sampler_iter)
+                    if not indices and self._loader.batch_sampler is not None:
+                        raise IndexError(
+                            f"the batch sampler yielded an empty batch (send_idx={send_idx}); "
+                            "every batch needs at least one index"
+                        )
                 except StopIteration:
-                    self._permits.release()
+                    if send_idx == 0 and self._epoch_no > 0 and self._loader._one_shot_sampler():
+                        self._reorder.put(send_idx, _Failure(_one_shot_error()))
+                        send_idx += 1
+                    else:
+                        self._permits.release()
                     break
                 except Exception as exc:  # the user's sampler failed: raise it at this position
                     self._reorder.put(send_idx, _Failure(exc))
@@ -893,7 +914,14 @@ class _Epoch:
         elif isinstance(data, _worker.RemoteError):
             _raise_remote(data)
         elif isinstance(data, bytes):
-            value = _transport.loads_result(data)
+            try:
+                value = _transport.loads_result(data)
+            except (OSError, RuntimeError) as exc:
+                # At the descriptor limit, receiving a batch's fd fails with EMFILE, or with
+                # multiprocessing's "received 0 items of ancdata" when the fd was dropped.
+                if getattr(exc, "errno", None) == errno.EMFILE or "ancdata" in str(exc):
+                    raise _emfile_error(exc) from exc
+                raise
         else:
             raise RuntimeError(f"aioloader bug: unexpected result {type(data).__name__}")
         self._loader._samples += _batch_len(value, self._loader)
@@ -961,6 +989,25 @@ class _Epoch:
         self.abandon()
         while self._loader._cleanups:
             await asyncio.gather(*list(self._loader._cleanups), return_exceptions=True)
+
+
+def _one_shot_error() -> ValueError:
+    return ValueError(
+        "the sampler (or batch_sampler) is a one-shot iterator that an earlier epoch used up, "
+        "so this epoch would be empty; pass something iterable again each epoch (a list, a "
+        "torch.utils.data.Sampler) instead of an iterator"
+    )
+
+
+def _emfile_error(exc: BaseException) -> RuntimeError:
+    err = RuntimeError(
+        "Too many open files: each batch in shared memory holds a file descriptor until it is "
+        "freed. Raise the limit (`ulimit -n 65536` in the shell, or resource.setrlimit("
+        "resource.RLIMIT_NOFILE, ...)), keep fewer batches alive, or call "
+        "torch.multiprocessing.set_sharing_strategy('file_system') at the start of the program."
+    )
+    err.__cause__ = exc
+    return err
 
 
 def _batch_len(value: Any, loader: AsyncDataLoader[Any]) -> int:

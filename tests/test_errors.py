@@ -223,3 +223,63 @@ async def test_sampler_error_surfaces_at_its_position() -> None:
                 async for b in loader:
                     got.append(int(b))
     assert got == [0, 1]
+
+
+async def test_empty_batch_from_batch_sampler_is_a_clear_error() -> None:
+    async with AsyncDataLoader(
+        datasets.RangeDataset(4), batch_sampler=[[0, 1], []], num_workers=1
+    ) as loader:
+        with pytest.raises(IndexError, match="empty batch"):
+            await collect(loader)
+
+
+async def test_empty_dataset_gives_an_empty_epoch_like_torch() -> None:
+    async with AsyncDataLoader(datasets.RangeDataset(0), batch_size=2, num_workers=2) as loader:
+        assert await collect(loader) == []
+    with pytest.raises(ValueError, match="num_samples should be a positive integer"):
+        AsyncDataLoader(datasets.RangeDataset(0), shuffle=True)
+
+
+async def test_one_shot_sampler_used_up_is_a_clear_error() -> None:
+    async with AsyncDataLoader(
+        datasets.RangeDataset(6), sampler=iter(range(6)), batch_size=3
+    ) as loader:
+        assert len(await collect(loader)) == 2
+        with pytest.raises(ValueError, match="one-shot iterator"):
+            await collect(loader)
+
+
+EMFILE_SCRIPT = """
+import asyncio, resource
+from aioloader import AsyncDataLoader
+from tests import datasets
+
+async def main():
+    kept = []
+    async with asyncio.timeout(60):
+        async with AsyncDataLoader(datasets.BigDataset(400, (256, 256)), batch_size=1,
+                                   num_workers=2) as loader:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+            try:
+                async for b in loader:
+                    kept.append(b)  # each shared-memory batch holds a descriptor
+            except RuntimeError as exc:
+                print("ERROR:", exc)
+            finally:
+                kept.clear()
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+asyncio.run(main())
+"""
+
+
+def test_running_out_of_file_descriptors_says_how_to_fix_it() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", EMFILE_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert "ERROR: Too many open files" in out.stdout, out.stdout + out.stderr
+    assert "ulimit -n" in out.stdout
