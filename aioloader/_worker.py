@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _DatasetKind
+from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 
@@ -140,6 +141,33 @@ def _fast_exit() -> None:
     os._exit(0)
 
 
+def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """torch's tensor collation, steered: batches that travel inline skip shared memory.
+
+    Inside a worker torch's ``collate_tensor_fn`` allocates every stacked batch in a fresh
+    shared-memory segment. A small batch is copied into the result bytes anyway
+    (:data:`~aioloader._transport.INLINE_TENSOR_BYTES`), so the segment is pure cost; for those
+    torch's function runs as it would outside a worker. Large batches are untouched.
+    """
+    elem = batch[0]
+    if sum(x.numel() for x in batch) * elem.element_size() >= _transport.INLINE_TENSOR_BYTES:
+        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
+    saved = torch_worker._worker_info
+    torch_worker._worker_info = None  # this process runs no other thread that reads it
+    try:
+        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
+    finally:
+        torch_worker._worker_info = saved
+
+
+_COLLATE_FN_MAP = {**torch_collate.default_collate_fn_map, torch.Tensor: _collate_tensors}
+
+
+def _default_collate_small_inline(batch: Any) -> Any:
+    """``default_collate`` with :func:`_collate_tensors`: same output, no segment for small ones."""
+    return torch_collate.collate(batch, collate_fn_map=_COLLATE_FN_MAP)
+
+
 def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
     """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
 
@@ -184,6 +212,8 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
         _state.dataset = dataset
+        if collate_fn is torch_collate.default_collate:
+            collate_fn = _default_collate_small_inline
         _state.collate_fn = collate_fn
         if worker_init_fn is not None:
             worker_init_fn(worker_id)

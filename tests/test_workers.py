@@ -166,3 +166,14 @@ async def test_unpicklable_dataset_under_spawn_names_the_problem() -> None:
         with pytest.raises(TypeError, match="lock") as info:
             await collect(loader)
     assert "cannot be sent to worker processes" in "".join(getattr(info.value, "__notes__", []))
+
+
+async def test_default_collate_skips_shared_memory_only_for_small_batches() -> None:
+    ds = datasets.DictDataset(8)
+    expected = list(torch.utils.data.DataLoader(ds, batch_size=4))
+    async with AsyncDataLoader(ds, batch_size=4, num_workers=2) as loader:
+        got = await collect(loader)
+    for g, e in zip(got, expected, strict=True):
+        assert g["name"] == e["name"]
+        assert torch.equal(g["label"], e["label"]) and g["label"].dtype == e["label"].dtype
+        assert torch.equal(g["x"], e["x"])
