@@ -206,6 +206,9 @@ class AsyncDataLoader(Generic[_T_co]):
             ``None`` or ``"cpu"`` keeps batches on the host.
         device_prefetch: Batches kept ready on the device (or pinned) ahead of the consumer, so
             the copy of the next batch overlaps the compute on this one.
+        worker_nice: Niceness added to each worker process (0-19). Workers run at a lower CPU
+            priority than the process that runs the event loop, so on a busy machine the loop
+            (and the training step) wake promptly; 0 keeps torch's equal priority.
         max_worker_restarts: Worker pools the loader may replace per epoch after a worker process
             dies; the batches in flight are resubmitted, so no sample is lost or repeated.
             0 fails at the first crash, as torch does. An index batch that kills its worker twice
@@ -242,6 +245,7 @@ class AsyncDataLoader(Generic[_T_co]):
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
         max_worker_restarts: int = 3,
+        worker_nice: int = 5,
     ) -> None:
         # torch's own constructor does the validation, picks the default samplers and collate_fn,
         # and starts nothing: workers start only when it is iterated, which we never do.
@@ -278,6 +282,16 @@ class AsyncDataLoader(Generic[_T_co]):
             raise ValueError(
                 f"max_worker_restarts should be a non-negative int, got {max_worker_restarts!r}"
             )
+        if (
+            not isinstance(worker_nice, int)
+            or isinstance(worker_nice, bool)
+            or not (0 <= worker_nice <= 19)
+        ):
+            raise ValueError(
+                f"worker_nice should be an int from 0 (the main process's priority) to 19, "
+                f"got {worker_nice!r}"
+            )
+        self.worker_nice = worker_nice
         if (
             not isinstance(device_prefetch, int)
             or isinstance(device_prefetch, bool)
@@ -457,6 +471,7 @@ class AsyncDataLoader(Generic[_T_co]):
             auto_collation=self.batch_sampler is not None,
             drop_last=self.drop_last,
             main_pid=os.getpid(),
+            nice=self.worker_nice,
             payload_file=payload,
             objects=objects_or_none,
             fixed_worker_id=None,
@@ -692,14 +707,16 @@ class _Epoch:
         assert loop is not None
 
         def done(f: Future[Any]) -> None:  # runs in: the executor's manager thread
+            # Unpickle here, not on the loop: receiving a shared-memory batch waits on a socket
+            # handshake with the worker, which a busy worker can delay by milliseconds.
+            received = _receive(f)
             with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
-                loop.call_soon_threadsafe(self._on_done, send_idx, gen, f)
+                loop.call_soon_threadsafe(self._on_done, send_idx, gen, f, received)
 
         fut.add_done_callback(done)
 
-    def _on_done(self, send_idx: int, gen: int, fut: Future[Any]) -> None:
+    def _on_done(self, send_idx: int, gen: int, fut: Future[Any], received: Any) -> None:
         if self._finished:
-            _discard(fut)
             return
         if gen != self._generation or fut.cancelled():
             return  # resubmitted to a replacement pool
@@ -711,7 +728,7 @@ class _Epoch:
         if exc is not None:
             self._reorder.put(send_idx, _Failure(exc))
             return
-        res: _worker.Result = fut.result()
+        res: _worker.Result = received
         self._loader._busy_s += res.busy_s
         if isinstance(res.data, _worker.Exhausted):
             self._active[res.data.worker_id] = False
@@ -909,19 +926,13 @@ class _Epoch:
             raise item.exc
         res: _worker.Result = item
         data = res.data
+        value: Any
         if isinstance(data, _Direct):
             value = data.value
         elif isinstance(data, _worker.RemoteError):
             _raise_remote(data)
-        elif isinstance(data, bytes):
-            try:
-                value = _transport.loads_result(data)
-            except (OSError, RuntimeError) as exc:
-                # At the descriptor limit, receiving a batch's fd fails with EMFILE, or with
-                # multiprocessing's "received 0 items of ancdata" when the fd was dropped.
-                if getattr(exc, "errno", None) == errno.EMFILE or "ancdata" in str(exc):
-                    raise _emfile_error(exc) from exc
-                raise
+        elif isinstance(data, _Failure):
+            raise data.exc
         else:
             raise RuntimeError(f"aioloader bug: unexpected result {type(data).__name__}")
         self._loader._samples += _batch_len(value, self._loader)
@@ -978,8 +989,7 @@ class _Epoch:
             await self._stage.aclose()
         while not self._ready.empty():  # prefetched pinned/device batches: drop them now
             self._ready.get_nowait()
-        for item in buffered:
-            _release(item)
+        del buffered  # decoded already: dropping them frees their shared memory
         pool, owned = self._pool, self._owns_pool
         self._owns_pool = False
         if pool is not None and owned:
@@ -1022,13 +1032,24 @@ def _batch_len(value: Any, loader: AsyncDataLoader[Any]) -> int:
     return int(loader.batch_size)
 
 
-def _release(item: Any) -> None:
-    """Unpickle and drop a batch nobody will consume, so its worker frees the shared memory."""
-    if isinstance(item, _worker.Result) and isinstance(item.data, bytes):
-        with contextlib.suppress(Exception):
-            _transport.loads_result(item.data)
+def _receive(fut: Future[Any]) -> Any:
+    """Rebuild a finished task's batch. Runs in: the executor's manager thread (or a fetch thread).
 
-
-def _discard(fut: Future[Any]) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        _release(fut.result())
+    Returns the :class:`~aioloader._worker.Result` with its ``data`` decoded into ``_Direct`` (or a
+    ``_Failure`` to raise at the batch's position), or None if the task did not complete.
+    """
+    if fut.cancelled() or fut.exception() is not None:
+        return None
+    res: _worker.Result = fut.result()
+    if not isinstance(res.data, bytes):
+        return res
+    try:
+        return res._replace(data=_Direct(_transport.loads_result(res.data)))
+    except (OSError, RuntimeError) as exc:
+        # At the descriptor limit, receiving a batch's fd fails with EMFILE, or with
+        # multiprocessing's "received 0 items of ancdata" when the fd was dropped.
+        if getattr(exc, "errno", None) == errno.EMFILE or "ancdata" in str(exc):
+            return res._replace(data=_Failure(_emfile_error(exc)))
+        return res._replace(data=_Failure(exc))
+    except Exception as exc:
+        return res._replace(data=_Failure(exc))

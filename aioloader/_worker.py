@@ -44,6 +44,8 @@ class WorkerSpec:
     auto_collation: bool
     drop_last: bool
     main_pid: int
+    #: Added to each worker's niceness (lower CPU priority than the event loop's process).
+    nice: int
     #: spawn/forkserver: (path, shared tensors) of the payload file; fork: None (see ``objects``).
     payload_file: tuple[str, list[torch.Tensor]] | None
     #: fork only: (dataset, collate_fn, worker_init_fn), inherited through fork without pickling.
@@ -89,7 +91,8 @@ class Result(NamedTuple):
     send_idx: int
     worker_id: int
     pid: int
-    data: bytes | RemoteError | Exhausted
+    #: bytes | RemoteError | Exhausted from a worker; the main process swaps in the decoded batch.
+    data: object
     busy_s: float
 
 
@@ -175,6 +178,9 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
     exception type instead of a broken pool.
     """
     signal_handling._set_worker_signal_handlers()  # type: ignore[attr-defined]
+    if spec.nice:
+        # Loading is background work: when a core is contended, the event loop should win it.
+        os.nice(spec.nice)
     torch.set_num_threads(1)
     threading.Thread(
         target=_watch_parent, args=(spec.main_pid,), name="aioloader-parent-watch", daemon=True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -177,3 +178,20 @@ async def test_default_collate_skips_shared_memory_only_for_small_batches() -> N
         assert g["name"] == e["name"]
         assert torch.equal(g["label"], e["label"]) and g["label"].dtype == e["label"].dtype
         assert torch.equal(g["x"], e["x"])
+
+
+async def test_workers_run_at_lower_priority_by_default() -> None:
+    class Nice(datasets.RangeDataset):
+        def __getitem__(self, i: int) -> Any:
+            import os
+
+            return torch.tensor(os.nice(0))
+
+    base = os.nice(0)
+    for nice, expected in ((None, base + 5), (0, base)):
+        kw = {} if nice is None else {"worker_nice": nice}
+        async with AsyncDataLoader(Nice(2), batch_size=None, num_workers=1, **kw) as loader:
+            got = {int(b) for b in await collect(loader)}
+        assert got == {min(19, expected)}
+    with pytest.raises(ValueError, match="worker_nice"):
+        AsyncDataLoader(datasets.RangeDataset(2), worker_nice=20)
