@@ -48,7 +48,6 @@ import copy
 import enum
 import functools
 import logging
-import sys
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -216,8 +215,7 @@ class DeviceStage:
         try:
             result, event = await loop.run_in_executor(self._pool, self._run, batch)
         except Exception as exc:
-            if sys.version_info >= (3, 11):
-                exc.add_note("aioloader: raised in the device stage (pin_memory / copy to device)")
+            exc.add_note("aioloader: raised in the device stage (pin_memory / copy to device)")
             raise
         if event is not None and self._consumer_stream is not None:
             # Queued here, on the loop thread when the batch is ready, not on the device thread:
