@@ -25,7 +25,6 @@ import os
 import pickle
 import time
 import warnings
-import weakref
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -319,8 +318,9 @@ class AsyncDataLoader(Generic[_T_co]):
         self._state = _State.OPEN
         self._epoch_no = 0
         self._current: _Epoch | None = None
-        self._current_handle: weakref.ref[_EpochIterator[Any]] | None = None
         self._persistent_pool: WorkerPool | None = None
+        # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
+        self._persistent_pool_busy = False
         self._persistent_seed: int | None = None
         self._pool_lock: asyncio.Lock | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -410,7 +410,6 @@ class AsyncDataLoader(Generic[_T_co]):
         self._epoch_no += 1
         handle: _EpochIterator[Any] = _EpochIterator(epoch)
         self._current = epoch
-        self._current_handle = weakref.ref(handle)
         return handle
 
     def _abandon_current(self) -> None:
@@ -436,7 +435,7 @@ class AsyncDataLoader(Generic[_T_co]):
             await asyncio.gather(*list(self._cleanups), return_exceptions=True)
         pool, self._persistent_pool = self._persistent_pool, None
         if pool is not None:
-            await pool.shutdown(graceful=True)
+            await pool.shutdown(graceful=not self._persistent_pool_busy)
 
     def __del__(self) -> None:
         pool = getattr(self, "_persistent_pool", None)
@@ -994,6 +993,10 @@ class _Epoch:
         self._owns_pool = False
         if pool is not None and owned:
             await pool.shutdown(graceful=not self._in_flight)
+        elif pool is not None:
+            # Tasks of an abandoned epoch keep a persistent pool busy until they finish; an
+            # epoch that ran to its end drained them (each worker's queue is first in, first out).
+            self._loader._persistent_pool_busy = bool(self._in_flight)
 
     async def aclose(self) -> None:
         self.abandon()

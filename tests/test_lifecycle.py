@@ -237,3 +237,17 @@ async def _aenumerate(it: Any) -> Any:
     async for x in it:
         yield i, x
         i += 1
+
+
+async def test_aclose_does_not_wait_for_an_abandoned_epochs_slow_batches() -> None:
+    loader = AsyncDataLoader(
+        datasets.SlowDataset(40, 2.0), num_workers=2, persistent_workers=True, timeout=30
+    )
+    async with loader:
+        async with asyncio.timeout(30):
+            async for _ in loader:
+                t0 = time.perf_counter()
+                break  # the workers are still loading 2 s batches
+    # Closing killed the busy workers instead of waiting for their batches.
+    assert time.perf_counter() - t0 < 1.5
+    assert not _worker_pids()
