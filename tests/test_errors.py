@@ -257,7 +257,7 @@ from tests import datasets
 async def main():
     kept = []
     async with asyncio.timeout(60):
-        async with AsyncDataLoader(datasets.BigDataset(400, (256, 256)), batch_size=1,
+        async with AsyncDataLoader(datasets.BigDataset(400, (512, 256)), batch_size=1,
                                    num_workers=2) as loader:
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
             resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))

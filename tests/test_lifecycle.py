@@ -175,11 +175,11 @@ async def test_many_loaders_and_epochs_do_not_accumulate_resources() -> None:
     threads0 = proc.num_threads()
     for i in range(30):
         async with AsyncDataLoader(
-            datasets.BigDataset(8, (1, 128, 128)), batch_size=4, num_workers=2
+            datasets.BigDataset(8, (1, 256, 256)), batch_size=4, num_workers=2
         ) as loader:
             for _ in range(2):
                 async for batch in loader:
-                    assert batch.shape == (4, 1, 128, 128)
+                    assert batch.shape == (4, 1, 256, 256)
                     if i % 3 == 0:
                         break  # abandoned epochs too
                 del batch  # a batch in shared memory holds an fd while it lives

@@ -88,12 +88,13 @@ async def test_worker_init_fn_runs_in_each_worker() -> None:
 
 
 async def test_large_batches_arrive_through_shared_memory() -> None:
-    async with AsyncDataLoader(datasets.BigDataset(8), batch_size=4, num_workers=2) as loader:
+    ds = datasets.BigDataset(8, (3, 128, 128))  # 768 KiB batches
+    async with AsyncDataLoader(ds, batch_size=4, num_workers=2) as loader:
         batches = await collect(loader)
     assert [float(b[0, 0, 0, 0]) for b in batches] == [0.0, 4.0]
     # Built by default_collate directly in shared memory, never copied through the pipe.
     assert all(b.is_shared() for b in batches)
-    assert torch.equal(batches[1][3], torch.full((3, 64, 64), 7.0))
+    assert torch.equal(batches[1][3], torch.full((3, 128, 128), 7.0))
 
 
 async def test_small_batches_travel_inline() -> None:
