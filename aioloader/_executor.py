@@ -159,6 +159,7 @@ class WorkerPool:
         for ex in self._executors:
             for _ in range(1 if self._per_worker else self.num_workers):
                 ex.submit(_worker.ping)
+        self._capture_internals()
         _logger.debug(
             "started %d workers (%s) in %.3fs",
             self.num_workers,
@@ -196,7 +197,7 @@ class WorkerPool:
         """
         deadline = time.monotonic() + settle_s
         while True:
-            dead = [(wid, p) for wid, p in self._processes() if p.exitcode is not None]
+            dead = [(wid, p) for wid, p in self._workers if p.exitcode is not None]
             if dead or time.monotonic() > deadline:
                 break
             time.sleep(0.005)
@@ -230,30 +231,59 @@ class WorkerPool:
         self._closed = True
         await run_off_loop(lambda: self._shutdown_sync(graceful), name="shutdown")
 
+    def _capture_internals(self) -> None:
+        """Keep the executors' processes, manager threads and result queues for shutdown.
+
+        ``ProcessPoolExecutor.shutdown(wait=False)`` drops its references to all three, and they
+        are needed afterwards: to kill workers that do not exit, and to unblock and join a
+        manager thread (see :meth:`_kill_sync`).
+        """
+        self._workers = self._processes()
+        self._procs = [p for _, p in self._workers]
+        self._manager_threads = [
+            t for ex in self._executors if (t := getattr(ex, "_executor_manager_thread", None))
+        ]
+        self._result_queues = [
+            q for ex in self._executors if (q := getattr(ex, "_result_queue", None)) is not None
+        ]
+
+    def sentinels(self) -> list[int]:
+        """One fd per worker process that becomes readable when the process ends."""
+        return [p.sentinel for p in self._procs]
+
     def _shutdown_sync(self, graceful: bool) -> None:
-        procs = [p for _, p in self._processes()]
-        if not graceful:
-            self._kill_sync()
-            return
-        for ex in self._executors:
-            ex.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        if graceful:
+            for ex in self._executors:
+                ex.shutdown(wait=False, cancel_futures=True)
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            for p in self._procs:
+                p.join(max(0.0, deadline - time.monotonic()))
         self._kill_sync()
 
     def _kill_sync(self) -> None:
-        procs = [p for _, p in self._processes()]
+        if not hasattr(self, "_procs"):
+            self._capture_internals()
         for ex in self._executors:
             ex.shutdown(wait=False, cancel_futures=True)
-        for p in procs:
+        for p in self._procs:
             if p.exitcode is None:
                 with contextlib.suppress(Exception):
                     p.kill()
-        for p in procs:
+        for p in self._procs:
             p.join(SHUTDOWN_GRACE_S)
-        for ex in self._executors:
-            # Joins the executor's manager thread; the processes are gone, so this is quick.
-            ex.shutdown(wait=True)
+        # A worker killed in the middle of writing a result larger than the pipe buffer leaves
+        # the manager thread blocked reading the rest, forever: this process holds the queue's
+        # write end too, so no EOF comes. Closing our write end once every worker is gone
+        # delivers the EOF; the thread then sees a broken pool and exits.
+        for q in self._result_queues:
+            with contextlib.suppress(Exception):
+                q._writer.close()
+        for t in self._manager_threads:
+            t.join(SHUTDOWN_GRACE_S)
+            if t.is_alive():
+                _logger.warning("an executor manager thread did not exit: %s", t.name)
+        for q in self._result_queues:
+            with contextlib.suppress(Exception):
+                q.close()
         self._closed = True
         self._remove_payload()

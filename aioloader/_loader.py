@@ -560,6 +560,7 @@ class _Epoch:
         self._owns_pool = False
         self._generation = 0  # bumped when a crashed pool is replaced; older futures are stale
         self._restarting: asyncio.Event | None = None
+        self._watched: list[int] = []  # worker sentinels registered with the loop
         self._kills: Counter[int] = Counter()
         self._restarts = 0
         self._failed = False  # a fatal error was queued: submit nothing more
@@ -600,6 +601,7 @@ class _Epoch:
                 await pool.shutdown(graceful=False)
             return
         self._pool, self._owns_pool = pool, owned
+        self._watch(pool)
         loop = asyncio.get_running_loop()
         self._sched_task = loop.create_task(
             self._schedule(), name=f"aioloader-scheduler:{self._epoch_no}"
@@ -738,10 +740,37 @@ class _Epoch:
 
     # ---------------------------------------------------------------------------- crashes
 
+    def _watch(self, pool: Any) -> None:
+        """Watch the worker processes' sentinels on the loop: a death is noticed at once.
+
+        The executor reports a dead worker too, but not always: a worker killed while writing a
+        result larger than the pipe buffer leaves the executor's thread waiting for the rest of
+        it, forever. Watching the processes directly does not depend on that thread.
+        """
+        if not isinstance(pool, WorkerPool) or self._loop is None:
+            return
+        self._unwatch()
+        gen = self._generation
+        for fd in pool.sentinels():
+            self._loop.add_reader(fd, self._on_sentinel, gen)
+            self._watched.append(fd)
+
+    def _unwatch(self) -> None:
+        loop = self._loop
+        for fd in self._watched:
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(fd)
+        self._watched.clear()
+
+    def _on_sentinel(self, gen: int) -> None:
+        self._unwatch()  # a finished process's sentinel stays readable
+        self._on_crash(gen)
+
     def _on_crash(self, gen: int) -> None:
-        """A future of pool generation ``gen`` failed with BrokenProcessPool. Runs once per pool."""
+        """A worker of pool generation ``gen`` died. Acts once per pool."""
         if gen != self._generation or self._failed or self._finished:
             return
+        self._unwatch()
         self._generation += 1  # every other future of the broken pool is now stale
         self._restarting = asyncio.Event()
         self._loader._spawn_cleanup(self._recover(self._pool))
@@ -778,6 +807,7 @@ class _Epoch:
             if loader._persistent_pool is pool:
                 loader._persistent_pool = new
             self._pool = new
+            self._watch(new)
             self._restarting = None
             for send_idx in sorted(self._in_flight):
                 self._submit(send_idx)
@@ -961,6 +991,7 @@ class _Epoch:
         if self._finished:
             return
         self._finished = True
+        self._unwatch()
         if self._loader._current is self:
             self._loader._current = None
         self._last_delivered = None

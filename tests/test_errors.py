@@ -283,3 +283,42 @@ def test_running_out_of_file_descriptors_says_how_to_fix_it() -> None:
     )
     assert "ERROR: Too many open files" in out.stdout, out.stdout + out.stderr
     assert "ulimit -n" in out.stdout
+
+
+MID_WRITE_SCRIPT = """
+import asyncio, os, random, signal, warnings
+import psutil
+from aioloader import AsyncDataLoader
+from tests import datasets
+
+async def main():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    rng = random.Random(0)
+    # 192 KiB batches travel inline: longer than a pipe buffer, so kills land mid-write.
+    ds = datasets.BigDataset(600, (3, 128, 128))
+    seen = []
+    async with asyncio.timeout(100):
+        async with AsyncDataLoader(ds, batch_size=1, num_workers=2,
+                                   max_worker_restarts=100) as loader:
+            async for b in loader:
+                seen.append(int(b[0, 0, 0, 0]))
+                if rng.random() < 0.02:
+                    kids = psutil.Process().children()
+                    if kids:
+                        os.kill(rng.choice(kids).pid, signal.SIGKILL)
+    assert seen == list(range(600)), seen[:20]
+    print("restarts", loader.stats().worker_restarts)
+
+asyncio.run(main())
+"""
+
+
+def test_workers_killed_while_writing_results_never_hang_the_loader() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", MID_WRITE_SCRIPT], capture_output=True, text=True, timeout=150
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) >= 3
