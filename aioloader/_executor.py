@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing
-import os
 import signal
 import threading
 import time
@@ -139,8 +138,7 @@ class WorkerPool:
     def _remove_payload(self) -> None:
         if self._owns_payload and self.spec.payload_file is not None:
             self._owns_payload = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.spec.payload_file[0])
+            self.spec.payload_file[0].close()
 
     def _start_sync(self) -> None:
         if self._ctx.get_start_method() == "forkserver":

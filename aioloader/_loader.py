@@ -422,6 +422,13 @@ class AsyncDataLoader(Generic[_T_co]):
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
+    async def _wait_cleanups(self) -> None:
+        # asyncio.wait, not gather: cancelling the caller must not cancel the cleanups (a
+        # cleanup cancelled before its first step would leave its workers running). A later
+        # aclose() waits for them instead.
+        while self._cleanups:
+            await asyncio.wait(list(self._cleanups))
+
     async def aclose(self) -> None:
         """End any running epoch and stop every worker process and thread. Safe to call twice.
 
@@ -431,8 +438,7 @@ class AsyncDataLoader(Generic[_T_co]):
         """
         self._state = _State.CLOSED
         self._abandon_current()
-        while self._cleanups:
-            await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+        await self._wait_cleanups()
         pool, self._persistent_pool = self._persistent_pool, None
         if pool is not None:
             await pool.shutdown(graceful=not self._persistent_pool_busy)
@@ -1031,8 +1037,7 @@ class _Epoch:
 
     async def aclose(self) -> None:
         self.abandon()
-        while self._loader._cleanups:
-            await asyncio.gather(*list(self._loader._cleanups), return_exceptions=True)
+        await self._loader._wait_cleanups()
 
 
 def _one_shot_error() -> ValueError:

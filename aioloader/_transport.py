@@ -8,8 +8,8 @@ Two directions, two policies:
   descriptor and never copy the data through the pipe. A shared-memory segment costs a descriptor
   hand-over per tensor (a socket round trip with the worker), which dominates for small tensors.
 * **Worker payload (main -> workers, spawn/forkserver only).** The dataset, ``collate_fn`` and
-  ``worker_init_fn`` are pickled *once* into a file that every worker reads in parallel, instead of
-  once per worker through each worker's start-up pipe. Tensors of at least
+  ``worker_init_fn`` are pickled *once* into an unnamed file that every worker reads in parallel,
+  instead of once per worker through each worker's start-up pipe. Tensors of at least
   :data:`SHARED_PAYLOAD_TENSOR_BYTES` are taken out of that file and handed over through shared
   memory, so N workers do not hold N copies of a preloaded tensor dataset. Objects that plain
   pickle cannot carry (lambdas, classes defined in a notebook or ``python -c``) are carried with
@@ -21,6 +21,7 @@ from __future__ import annotations
 import copyreg
 import ctypes
 import io
+import mmap
 import os
 import pickle
 import sys
@@ -35,6 +36,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 __all__ = (
     "INLINE_TENSOR_BYTES",
     "SHARED_PAYLOAD_TENSOR_BYTES",
+    "PayloadFile",
     "dump_payload",
     "dumps_result",
     "load_payload",
@@ -139,18 +141,53 @@ def _main_is_importable() -> bool:
     return bool(getattr(main, "__file__", None)) or getattr(main, "__spec__", None) is not None
 
 
-def dump_payload(obj: object) -> tuple[str, list[torch.Tensor]]:
-    """Pickle ``obj`` once into a temporary file for workers to read; return (path, shared tensors).
+class PayloadFile:
+    """An unnamed file holding a pickled payload; crosses to workers as a file descriptor.
 
-    The caller owns the file and must remove it (:func:`os.unlink`) when no worker will start again.
-    Raises the pickling error, with a note naming the object, when neither pickle nor cloudpickle
-    can carry it.
+    It has no name in any file system, so nothing is left behind even if the process that made
+    it is killed. It can be pickled only while a worker process is being started (spawn or
+    forkserver), when multiprocessing hands the descriptor to the child.
     """
-    shm = "/dev/shm"
-    directory = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-    fd, path = tempfile.mkstemp(prefix=f"aioloader-{os.getpid()}-", suffix=".pkl", dir=directory)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import context
+        from multiprocessing.reduction import DupFd
+
+        if context.get_spawning_popen() is None:
+            raise pickle.PicklingError("a PayloadFile travels only with a starting worker")
+        return _adopt_payload_fd, (DupFd(self.fd),)
+
+
+def _adopt_payload_fd(dup: Any) -> PayloadFile:
+    return PayloadFile(dup.detach())
+
+
+def _anonymous_file() -> int:
     try:
-        with os.fdopen(fd, "wb") as f:
+        return os.memfd_create("aioloader-payload", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # not Linux: an unlinked temporary file
+        fd, path = tempfile.mkstemp(prefix=f"aioloader-{os.getpid()}-")
+        os.unlink(path)
+        return fd
+
+
+def dump_payload(obj: object) -> tuple[PayloadFile, list[torch.Tensor]]:
+    """Pickle ``obj`` once into an unnamed file for workers to read; return it and shared tensors.
+
+    The caller owns the file and closes it when no worker will start again. Raises the pickling
+    error, with a note saying what to change, when neither pickle nor cloudpickle can carry it.
+    """
+    fd = _anonymous_file()
+    try:
+        with os.fdopen(os.dup(fd), "wb") as f:
             side: list[torch.Tensor] = []
             errors: list[BaseException] = []
             picklers: list[type[pickle.Pickler]] = []
@@ -178,18 +215,20 @@ def dump_payload(obj: object) -> tuple[str, list[torch.Tensor]]:
                     "them picklable, or use multiprocessing_context='fork'."
                 )
                 raise err
-        return path, list(side)
+        return PayloadFile(fd), list(side)
     except BaseException:
-        os.unlink(path)
+        os.close(fd)
         raise
 
 
-def load_payload(path: str, tensors: list[torch.Tensor]) -> Any:
+def load_payload(payload: PayloadFile, tensors: list[torch.Tensor]) -> Any:
     """Unpickle a payload written by :func:`dump_payload`. Runs in: a worker process."""
     global _payload_tensors
     _payload_tensors = tensors
     try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
+        # mmap, not read(): the workers' descriptors share one file offset.
+        with mmap.mmap(payload.fd, 0, prot=mmap.PROT_READ) as view:
+            return pickle.loads(view)
     finally:
         _payload_tensors = []
+        payload.close()

@@ -46,8 +46,8 @@ class WorkerSpec:
     main_pid: int
     #: Added to each worker's niceness (lower CPU priority than the event loop's process).
     nice: int
-    #: spawn/forkserver: (path, shared tensors) of the payload file; fork: None (see ``objects``).
-    payload_file: tuple[str, list[torch.Tensor]] | None
+    #: spawn/forkserver: (payload file, shared tensors); fork: None (see ``objects``).
+    payload_file: tuple[_transport.PayloadFile, list[torch.Tensor]] | None
     #: fork only: (dataset, collate_fn, worker_init_fn), inherited through fork without pickling.
     objects: tuple[Any, Any, Any] | None
     #: iterable datasets get one single-worker pool per worker id; map-style workers draw an id.

@@ -237,3 +237,20 @@ class PinnedBatch:
 
 def pinned_batch_collate(samples: list[torch.Tensor]) -> PinnedBatch:
     return PinnedBatch([int(s) for s in samples])
+
+
+class ExitOnceAtDataset(RangeDataset):
+    """Loading any index in ``bad`` kills the worker, once per index (marker files in ``dir``)."""
+
+    def __init__(self, n: int, bad: list[int], marker_dir: str) -> None:
+        super().__init__(n)
+        self.bad = set(bad)
+        self.marker_dir = marker_dir
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        marker = os.path.join(self.marker_dir, f"died-{i}")
+        if i in self.bad and not os.path.exists(marker):
+            with open(marker, "w"):
+                pass
+            os._exit(9)
+        return super().__getitem__(i)
