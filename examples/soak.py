@@ -35,7 +35,7 @@ def reading() -> dict[str, float]:
     proc = psutil.Process()
     mem = proc.memory_full_info()
     shm = (
-        [f for f in os.listdir("/dev/shm") if f.startswith("aioloader-")]
+        [f for f in os.listdir("/dev/shm") if f.startswith(f"aioloader-{os.getpid()}-")]
         if os.path.isdir("/dev/shm")
         else []
     )
