@@ -273,33 +273,18 @@ class AsyncDataLoader(Generic[_T_co]):
                 "prefetch_factor must be at least 1 with num_workers > 0: it is the number of "
                 "batches each worker loads ahead"
             )
-        if (
-            not isinstance(max_worker_restarts, int)
-            or isinstance(max_worker_restarts, bool)
-            or max_worker_restarts < 0
-        ):
-            raise ValueError(
-                f"max_worker_restarts should be a non-negative int, got {max_worker_restarts!r}"
-            )
-        if (
-            not isinstance(worker_nice, int)
-            or isinstance(worker_nice, bool)
-            or not (0 <= worker_nice <= 19)
-        ):
-            raise ValueError(
-                f"worker_nice should be an int from 0 (the main process's priority) to 19, "
-                f"got {worker_nice!r}"
-            )
+        _check_int("max_worker_restarts", max_worker_restarts, 0, None, "a non-negative int")
+        _check_int(
+            "worker_nice", worker_nice, 0, 19, "an int from 0 (the main process's priority) to 19"
+        )
+        _check_int(
+            "device_prefetch",
+            device_prefetch,
+            1,
+            None,
+            "a positive int (batches kept ready on the device ahead of the consumer)",
+        )
         self.worker_nice = worker_nice
-        if (
-            not isinstance(device_prefetch, int)
-            or isinstance(device_prefetch, bool)
-            or device_prefetch < 1
-        ):
-            raise ValueError(
-                f"device_prefetch should be a positive int (batches kept ready on the device "
-                f"ahead of the consumer), got {device_prefetch!r}"
-            )
         with warnings.catch_warnings():
             # Validates `device` now; torch's pin_memory warnings come per epoch, as in torch.
             warnings.simplefilter("ignore")
@@ -1038,6 +1023,13 @@ class _Epoch:
     async def aclose(self) -> None:
         self.abandon()
         await self._loader._wait_cleanups()
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None, what: str) -> None:
+    """Raise ValueError unless ``value`` is an int (not a bool) in ``[lo, hi]``."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
+    if not ok or (hi is not None and value > hi):  # type: ignore[operator]
+        raise ValueError(f"{name} should be {what}, got {value!r}")
 
 
 def _one_shot_error() -> ValueError:
