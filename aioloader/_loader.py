@@ -782,13 +782,22 @@ class _Epoch:
             loader = self._loader
             self._restarts += 1
             loader._restarts += 1
-            warnings.warn(
-                f"{self._describe(report)}; restarting the workers and resubmitting "
-                f"{len(self._in_flight)} batch(es) in flight (restart {self._restarts} of at most "
-                f"{loader.max_worker_restarts} this epoch)",
-                RuntimeWarning,
-                stacklevel=1,
-            )
+            try:
+                warnings.warn(
+                    f"{self._describe(report)}; restarting the workers and resubmitting "
+                    f"{len(self._in_flight)} batch(es) in flight (restart {self._restarts} of "
+                    f"at most {loader.max_worker_restarts} this epoch)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            except Warning as warning:
+                # Warnings are errors in this process (-W error): the crash is one too, and
+                # it must reach the consumer as the loader's error type, not as the warning.
+                raise WorkerCrashedError(
+                    f"{self._describe(report)} (not restarted: RuntimeWarning is an error here)",
+                    worker_id=report.worker_id,
+                    exitcode=report.exitcode,
+                ) from warning
             pool.hand_over_payload()
             await pool.shutdown(graceful=False)
             new = await WorkerPool.start(lambda: pool.spec, pool._ctx, pool._per_worker)

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -322,3 +323,13 @@ def test_workers_killed_while_writing_results_never_hang_the_loader() -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.split()[-1]) >= 3
+
+
+async def test_crash_is_an_error_when_warnings_are_errors(tmp_path: Path) -> None:
+    ds = datasets.ExitOnceDataset(20, bad=5, marker=str(tmp_path / "died"))
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=2) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(WorkerCrashedError, match="not restarted") as info:
+                await collect(loader, limit=60)
+    assert isinstance(info.value.__cause__, RuntimeWarning)
