@@ -9,12 +9,15 @@ from ._errors import (
     PoisonBatchError,
     WorkerCrashedError,
 )
+from ._loader import AsyncDataLoader, LoaderStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AioLoaderError",
+    "AsyncDataLoader",
     "LoaderClosedError",
+    "LoaderStats",
     "LoaderTimeoutError",
     "PoisonBatchError",
     "WorkerCrashedError",

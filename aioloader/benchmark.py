@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import io
 import json
@@ -35,7 +36,7 @@ TORCH = "torch"
 AIO = "aioloader"
 SPDL = "spdl"
 
-WORKLOADS = ("tiny", "cpu", "io", "big", "skewed", "startup", "loop-lag")
+WORKLOADS = ("tiny", "cpu", "io", "big", "skewed", "startup", "loop-lag", "device")
 
 # --------------------------------------------------------------------------------------------
 # Datasets (module level so that spawn/forkserver workers can import them by name).
@@ -154,8 +155,9 @@ class StartupDataset(Dataset[tuple[str, int]]):
     """
 
     def __init__(self, entries: int, serve: int) -> None:
-        self.items = [(f"/data/train/n{i % 1000:05d}/img_{i:08d}.JPEG", i % 1000)
-                      for i in range(entries)]
+        self.items = [
+            (f"/data/train/n{i % 1000:05d}/img_{i:08d}.JPEG", i % 1000) for i in range(entries)
+        ]
         self.serve = serve
 
     def __len__(self) -> int:
@@ -354,8 +356,9 @@ def _batch_len(batch: Any) -> int:
     return 1
 
 
-def run_once(name: str, ds: Dataset[Any], kwargs: dict[str, Any], warmup: int,
-             memory: bool = False) -> RoundResult:
+def run_once(
+    name: str, ds: Dataset[Any], kwargs: dict[str, Any], warmup: int, memory: bool = False
+) -> RoundResult:
     """Build loader ``name`` over ``ds``, drain one epoch, time everything after ``warmup``."""
     base = float(tree_pss()) if memory else None
     timer = _Timer(warmup, PssSampler() if memory else None)
@@ -393,8 +396,9 @@ def alternate(cfg: Config, fn: Callable[[str], RoundResult]) -> dict[str, list[R
     return out
 
 
-def _per_loader(res: dict[str, list[RoundResult]],
-                f: Callable[[RoundResult], float | None]) -> dict[str, list[float]]:
+def _per_loader(
+    res: dict[str, list[RoundResult]], f: Callable[[RoundResult], float | None]
+) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for name, rounds in res.items():
         vals = [v for v in map(f, rounds) if v is not None]
@@ -403,20 +407,36 @@ def _per_loader(res: dict[str, list[RoundResult]],
     return out
 
 
-def throughput_rows(workload: str, label: str, res: dict[str, list[RoundResult]],
-                    unit: str = "samples") -> list[Row]:
+def throughput_rows(
+    workload: str, label: str, res: dict[str, list[RoundResult]], unit: str = "samples"
+) -> list[Row]:
     """Rows for samples/s (or batches/s) plus aioloader's stall fraction when it reports one."""
     if unit == "samples":
-        row = Row(workload, f"samples/s{label}", "higher",
-                  _per_loader(res, lambda r: r.samples / r.seconds))
+        row = Row(
+            workload,
+            f"samples/s{label}",
+            "higher",
+            _per_loader(res, lambda r: r.samples / r.seconds),
+        )
     else:
-        row = Row(workload, f"batches/s{label}", "higher",
-                  _per_loader(res, lambda r: r.batches / r.seconds))
+        row = Row(
+            workload,
+            f"batches/s{label}",
+            "higher",
+            _per_loader(res, lambda r: r.batches / r.seconds),
+        )
     rows = [row]
     stall = _per_loader({AIO: res.get(AIO, [])}, lambda r: r.stall)
     if stall:
-        rows.append(Row(workload, f"aioloader data-stall fraction{label}", "lower", stall,
-                        note="from loader.stats(); informational"))
+        rows.append(
+            Row(
+                workload,
+                f"aioloader data-stall fraction{label}",
+                "lower",
+                stall,
+                note="from loader.stats(); informational",
+            )
+        )
     return rows
 
 
@@ -433,8 +453,16 @@ def _loader_kwargs(cfg: Config, batch_size: int) -> dict[str, Any]:
     return {"batch_size": batch_size, "num_workers": cfg.workers}
 
 
-def _simple(cfg: Config, workload: str, make: Callable[[int], Dataset[Any]], batch_size: int,
-            batches: int, warmup: int, label: str = "", unit: str = "samples") -> list[Row]:
+def _simple(
+    cfg: Config,
+    workload: str,
+    make: Callable[[int], Dataset[Any]],
+    batch_size: int,
+    batches: int,
+    warmup: int,
+    label: str = "",
+    unit: str = "samples",
+) -> list[Row]:
     ds = make((batches + warmup) * batch_size)
     kwargs = _loader_kwargs(cfg, batch_size)
     res = alternate(cfg, lambda n: run_once(n, ds, kwargs, warmup))
@@ -444,8 +472,16 @@ def _simple(cfg: Config, workload: str, make: Callable[[int], Dataset[Any]], bat
 def bench_tiny(cfg: Config) -> list[Row]:
     rows: list[Row] = []
     for bs, full, quick in ((1, 600, 200), (64, 400, 120)):
-        got = _simple(cfg, "tiny", TinyDataset, bs, _plan(cfg, full, quick), 30,
-                      label=f" (batch {bs})", unit="batches")
+        got = _simple(
+            cfg,
+            "tiny",
+            TinyDataset,
+            bs,
+            _plan(cfg, full, quick),
+            30,
+            label=f" (batch {bs})",
+            unit="batches",
+        )
         ratio_check(got[0], ">=", 1.5)
         rows += got
     return rows
@@ -453,8 +489,9 @@ def bench_tiny(cfg: Config) -> list[Row]:
 
 def bench_cpu(cfg: Config) -> list[Row]:
     jpeg = make_jpeg()
-    rows = _simple(cfg, "cpu", lambda n: JpegDataset(n, jpeg), 32, _plan(cfg, 40, 15), 4,
-                   label=" (batch 32)")
+    rows = _simple(
+        cfg, "cpu", lambda n: JpegDataset(n, jpeg), 32, _plan(cfg, 40, 15), 4, label=" (batch 32)"
+    )
     ratio_check(rows[0], ">=", 1.0)
     return rows
 
@@ -480,13 +517,25 @@ def bench_big(cfg: Config) -> list[Row]:
     mds = BigDataset((mem_batches + warmup) * 64)
     mres = alternate(cfg, lambda n: run_once(n, mds, kwargs, warmup, memory=True))
     mb = 1024.0 * 1024.0
-    peak = Row("big", "peak PSS of process tree, MB", "lower",
-               _per_loader(mres, lambda r: None if r.peak_pss is None else r.peak_pss / mb))
+    peak = Row(
+        "big",
+        "peak PSS of process tree, MB",
+        "lower",
+        _per_loader(mres, lambda r: None if r.peak_pss is None else r.peak_pss / mb),
+    )
     ratio_check(peak, "<=", 1.1)
-    delta = Row("big", "peak PSS above pre-loader baseline, MB", "lower",
-                _per_loader(mres, lambda r: None if r.peak_pss is None or r.base_pss is None
-                            else (r.peak_pss - r.base_pss) / mb),
-                note="informational: what the loader itself adds")
+    delta = Row(
+        "big",
+        "peak PSS above pre-loader baseline, MB",
+        "lower",
+        _per_loader(
+            mres,
+            lambda r: (
+                None if r.peak_pss is None or r.base_pss is None else (r.peak_pss - r.base_pss) / mb
+            ),
+        ),
+        note="informational: what the loader itself adds",
+    )
     return [*rows, peak, delta]
 
 
@@ -501,7 +550,59 @@ def bench_skewed(cfg: Config) -> list[Row]:
     cores = min(cfg.workers, os.cpu_count() or 1)
     limit = cores / mean_cost
     rows = throughput_rows("skewed", f" (batch 8; CPU limit {limit:.0f})", res)
-    ratio_check(rows[0], ">=", 1.3)
+    rows[0].note = "in order: both loaders assign batches round-robin"
+    # Without an order promise aioloader feeds all workers from one queue (torch keeps
+    # per-worker queues): the straggler no longer holds up the batches behind it.
+    unordered = {**kwargs, "in_order": False}
+    res_u = alternate(cfg, lambda n: run_once(n, ds, unordered, warmup))
+    rows_u = throughput_rows("skewed", f" (batch 8, in_order=False; limit {limit:.0f})", res_u)
+    ratio_check(rows_u[0], ">=", 1.3)
+    # The issue's comparison: a shared queue (aioloader, in_order=False) against torch's
+    # default round-robin assignment, from the two alternating series above.
+    mixed = Row(
+        "skewed",
+        "samples/s, aioloader in_order=False vs torch default",
+        "higher",
+        {TORCH: rows[0].rounds.get(TORCH, []), AIO: rows_u[0].rounds.get(AIO, [])},
+        note="torch column: default in-order run; aioloader column: in_order=False run",
+    )
+    ratio_check(mixed, ">=", 1.3)
+    return [*rows, *rows_u, mixed]
+
+
+def bench_device(cfg: Config) -> list[Row]:
+    """Host-to-device throughput: aioloader(device="cuda") vs torch(pin_memory) + .to(cuda)."""
+    if not torch.cuda.is_available():
+        cfg.progress("device: no CUDA device, skipped")
+        return [Row("device", "skipped: no CUDA device", "higher", {}, note="needs a GPU")]
+    warmup = 3
+    batches = _plan(cfg, 40, 12)
+    ds = BigDataset((batches + warmup) * 64)
+    kwargs = {**_loader_kwargs(cfg, 64), "pin_memory": True}
+
+    def one(name: str) -> RoundResult:
+        timer = _Timer(warmup, None)
+        if name == AIO:
+
+            async def drain() -> RoundResult:
+                async with _aio_class()(ds, device="cuda", **kwargs) as loader:
+                    async for batch in loader:
+                        batch.add_(1)  # a kernel on the consumer stream that reads the copy
+                        timer.tick(batch)
+                torch.cuda.synchronize()
+                return timer.result(_stall_of(loader))
+
+            return asyncio.run(drain())
+        for batch in DataLoader(ds, **kwargs):
+            moved = batch.to("cuda", non_blocking=True)
+            moved.add_(1)
+            timer.tick(moved)
+        torch.cuda.synchronize()
+        return timer.result()
+
+    res = alternate(cfg, one)
+    rows = throughput_rows("device", " (batch 64, 38.5 MB to cuda)", res)
+    ratio_check(rows[0], ">=", 1.0)
     return rows
 
 
@@ -517,8 +618,9 @@ async def _probe(stop: asyncio.Event, lags_ms: list[float]) -> None:
         lags_ms.append((time.perf_counter() - t - 0.001) * 1e3)
 
 
-async def _lag_variant(variant: str, ds: Dataset[Any], kwargs: dict[str, Any], warmup: int,
-                       floor_s: float) -> list[float]:
+async def _lag_variant(
+    variant: str, ds: Dataset[Any], kwargs: dict[str, Any], warmup: int, floor_s: float
+) -> list[float]:
     lags: list[float] = []
     stop = asyncio.Event()
     task: asyncio.Task[None] | None = None
@@ -579,8 +681,9 @@ def bench_loop_lag(cfg: Config) -> list[Row]:
     kwargs = _loader_kwargs(cfg, 32)
     floor_s = _plan(cfg, 15, 10) / 10
     variants = ["torch-next", "torch-thread", "aio", "floor"]
-    stats: dict[str, dict[str, list[float]]] = {v: {"p50": [], "p99": [], "max": []}
-                                                for v in variants}
+    stats: dict[str, dict[str, list[float]]] = {
+        v: {"p50": [], "p99": [], "max": []} for v in variants
+    }
     for r in range(cfg.rounds):
         for v in variants:
             lags = asyncio.run(_lag_variant(v, ds, kwargs, warmup, floor_s))
@@ -592,16 +695,30 @@ def bench_loop_lag(cfg: Config) -> list[Row]:
         cfg.progress(f"round {r + 1}/{cfg.rounds}")
     rows: list[Row] = []
     for q in ("p50", "p99", "max"):
-        row = Row("loop-lag", f"{q} lag ms, torch next() in coroutine", "lower",
-                  {TORCH: stats["torch-next"][q], AIO: stats["aio"][q]})
+        row = Row(
+            "loop-lag",
+            f"{q} lag ms, torch next() in coroutine",
+            "lower",
+            {TORCH: stats["torch-next"][q], AIO: stats["aio"][q]},
+        )
         if q == "p99":
             ratio_check(row, "<=", 0.1)
         rows.append(row)
-    rows.append(Row("loop-lag", "p99 lag ms, torch via asyncio.to_thread", "lower",
-                    {TORCH: stats["torch-thread"]["p99"], AIO: stats["aio"]["p99"]}))
-    floor = Row("loop-lag", "p99 lag ms, floor (2 spinning procs, no loader)", "lower",
-                {TORCH: stats["floor"]["p99"], AIO: stats["aio"]["p99"]},
-                note="torch column is the floor")
+    rows.append(
+        Row(
+            "loop-lag",
+            "p99 lag ms, torch via asyncio.to_thread",
+            "lower",
+            {TORCH: stats["torch-thread"]["p99"], AIO: stats["aio"]["p99"]},
+        )
+    )
+    floor = Row(
+        "loop-lag",
+        "p99 lag ms, floor (2 spinning procs, no loader)",
+        "lower",
+        {TORCH: stats["floor"]["p99"], AIO: stats["aio"]["p99"]},
+        note="torch column is the floor",
+    )
     f, a = floor.median(TORCH), floor.median(AIO)
     floor.target = "<= floor + 1 ms"
     if f is not None and a is not None:
@@ -618,8 +735,12 @@ def _child_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     bs = 64
     ds = StartupDataset(spec["entries"], serve=bs * 4)
-    kwargs = {"batch_size": bs, "num_workers": spec["workers"],
-              "multiprocessing_context": spec["method"], "persistent_workers": True}
+    kwargs = {
+        "batch_size": bs,
+        "num_workers": spec["workers"],
+        "multiprocessing_context": spec["method"],
+        "persistent_workers": True,
+    }
     if spec["loader"] == AIO:
         first, second = asyncio.run(_child_aio(ds, kwargs))
     else:
@@ -656,20 +777,27 @@ async def _child_aio(ds: Dataset[Any], kwargs: dict[str, Any]) -> tuple[float, f
 
 
 def _run_child(loader: str, method: str, workers: int, entries: int) -> tuple[float, float]:
-    spec = json.dumps({"loader": loader, "method": method, "workers": workers,
-                       "entries": entries})
+    spec = json.dumps({"loader": loader, "method": method, "workers": workers, "entries": entries})
     env = dict(os.environ)
     # The child must import this very package, wherever it was run from.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    code = "import sys; from aioloader.benchmark import _child_main; " \
-           "sys.exit(_child_main(sys.argv[1]))"
+    code = (
+        "import sys; from aioloader.benchmark import _child_main; "
+        "sys.exit(_child_main(sys.argv[1]))"
+    )
     # A new session so that the child's workers (and its forkserver) can be killed as one
     # group once the numbers are out: orderly shutdown of spawned workers takes ~1 s each run
     # and is not what this workload measures.
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-c", code, spec], stdout=subprocess.PIPE,
-                                stderr=err, text=True, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, spec],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         killer = threading.Timer(180.0, _kill_group, (proc.pid,))
         killer.start()
         got: dict[str, float] | None = None
@@ -687,22 +815,22 @@ def _run_child(loader: str, method: str, workers: int, entries: int) -> tuple[fl
                 proc.stdout.close()
         if got is None:
             err.seek(0)
-            raise RuntimeError(f"start-up child {spec} failed (rc={proc.returncode}):\n"
-                               f"{err.read()[-2000:]}")
+            raise RuntimeError(
+                f"start-up child {spec} failed (rc={proc.returncode}):\n{err.read()[-2000:]}"
+            )
     return float(got["first_s"]), float(got["epoch2_s"])
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # already gone
 
 
 def bench_startup(cfg: Config) -> list[Row]:
     loaders = [n for n in cfg.loaders if n != SPDL]  # spdl is compared on throughput only
     combos: list[tuple[str, int]] = (
-        [("fork", 2)] if cfg.quick
+        [("fork", 2)]
+        if cfg.quick
         else [(m, w) for m in ("fork", "spawn", "forkserver") for w in (2, 4)]
     )
     entries = int(cfg.extra.get("startup_entries", STARTUP_ENTRIES))
@@ -718,7 +846,7 @@ def bench_startup(cfg: Config) -> list[Row]:
                 second[combo].setdefault(name, []).append(s * 1e3)
         cfg.progress(f"round {r + 1}/{cfg.rounds}")
     rows: list[Row] = []
-    for (method, w) in combos:
+    for method, w in combos:
         row = Row("startup", f"first batch s, {method}, {w} workers", "lower", first[(method, w)])
         if method == "fork":
             ratio_check(row, "<=", 1.0)
@@ -728,17 +856,28 @@ def bench_startup(cfg: Config) -> list[Row]:
     for method in ("spawn", "forkserver"):
         if (method, 2) in first and (method, 4) in first:
             lo, hi = first[(method, 2)], first[(method, 4)]
-            growth = Row("startup", f"first batch 4w/2w, {method}", "lower",
-                         {n: [b / a for a, b in zip(lo[n], hi[n], strict=True)]
-                          for n in loaders if n in lo and n in hi},
-                         note="flat = 1.0; ratio column compares the growths")
+            growth = Row(
+                "startup",
+                f"first batch 4w/2w, {method}",
+                "lower",
+                {
+                    n: [b / a for a, b in zip(lo[n], hi[n], strict=True)]
+                    for n in loaders
+                    if n in lo and n in hi
+                },
+                note="flat = 1.0; ratio column compares the growths",
+            )
             g = growth.median(AIO)
             growth.target = "aioloader <= 1.25"
             growth.passed = None if g is None else g <= 1.25
             rows.append(growth)
-    for (method, w) in combos:
-        row = Row("startup", f"epoch-2 first batch ms, {method}, {w}w, persistent", "lower",
-                  second[(method, w)])
+    for method, w in combos:
+        row = Row(
+            "startup",
+            f"epoch-2 first batch ms, {method}, {w}w, persistent",
+            "lower",
+            second[(method, w)],
+        )
         e = row.median(AIO)
         row.target = "aioloader < 10 ms"
         row.passed = None if e is None else e < 10.0
@@ -789,6 +928,7 @@ BENCHES: dict[str, Callable[[Config], list[Row]]] = {
     "skewed": bench_skewed,
     "startup": bench_startup,
     "loop-lag": bench_loop_lag,
+    "device": bench_device,
     "dataset": bench_dataset,
 }
 
@@ -814,8 +954,17 @@ def format_table(rows: Sequence[Row], loaders: Sequence[str]) -> str:
     for r in rows:
         ratio = r.ratio()
         result = "" if r.passed is None else ("pass" if r.passed else "MISS")
-        body.append([r.workload, r.metric, r.better, *(_fmt(r.median(n)) for n in loaders),
-                     "-" if ratio is None else f"{ratio:.2f}x", r.target, result])
+        body.append(
+            [
+                r.workload,
+                r.metric,
+                r.better,
+                *(_fmt(r.median(n)) for n in loaders),
+                "-" if ratio is None else f"{ratio:.2f}x",
+                r.target,
+                result,
+            ]
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
@@ -852,8 +1001,10 @@ def write_plot(rows: Sequence[Row], path: str) -> None:
     plotted = [r for r in rows if r.ratio() is not None]
     labels = [f"{r.workload}: {r.metric} ({r.better} better)" for r in plotted]
     ratios = [r.ratio() or 0.0 for r in plotted]
-    colors = ["tab:gray" if r.passed is None else ("tab:green" if r.passed else "tab:red")
-              for r in plotted]
+    colors = [
+        "tab:gray" if r.passed is None else ("tab:green" if r.passed else "tab:red")
+        for r in plotted
+    ]
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(plotted) + 1.2))
     ax.barh(range(len(plotted)), ratios, color=colors)
     ax.set_yticks(range(len(plotted)), labels, fontsize=7)
@@ -873,15 +1024,22 @@ def write_plot(rows: Sequence[Row], path: str) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m aioloader.benchmark", description=__doc__)
-    p.add_argument("--workload", action="append", default=[],
-                   help=f"workload(s) to run, repeatable or comma list: {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "--workload",
+        action="append",
+        default=[],
+        help=f"workload(s) to run, repeatable or comma list: {', '.join(WORKLOADS)}",
+    )
     p.add_argument("--quick", action="store_true", help="shorter rounds; suite under 1 minute")
     p.add_argument("--json", metavar="PATH", help="write raw rounds, medians and machine info")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the ratios")
     p.add_argument("--workers", type=int, default=2, help="num_workers for both loaders")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (at least 3)")
-    p.add_argument("--dataset", metavar="MODULE:FACTORY",
-                   help="benchmark your own dataset: FACTORY() returns a map-style Dataset")
+    p.add_argument(
+        "--dataset",
+        metavar="MODULE:FACTORY",
+        help="benchmark your own dataset: FACTORY() returns a map-style Dataset",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="batch size for --dataset")
     p.add_argument("--batches", type=int, default=50, help="timed batches per round, --dataset")
     args = p.parse_args(argv)
@@ -911,9 +1069,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def progress(msg: str) -> None:
         print(f"  [{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    cfg = Config(args.workers, args.rounds, args.quick, loaders, progress,
-                 {"dataset": args.dataset, "batch_size": args.batch_size,
-                  "batches": args.batches})
+    cfg = Config(
+        args.workers,
+        args.rounds,
+        args.quick,
+        loaders,
+        progress,
+        {"dataset": args.dataset, "batch_size": args.batch_size, "batches": args.batches},
+    )
     # One untimed pass of every loader first, so imports and first-use costs land nowhere.
     for name in loaders:
         run_once(name, TinyDataset(64), _loader_kwargs(cfg, 8), 1)
@@ -924,11 +1087,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = format_table(rows, loaders)
     print(table)
     elapsed = time.perf_counter() - started
-    print(f"\n{len(rows)} rows in {elapsed:.0f}s; workers={args.workers}, rounds={args.rounds}, "
-          f"cpus={os.cpu_count()}, torch {torch.__version__}")
+    print(
+        f"\n{len(rows)} rows in {elapsed:.0f}s; workers={args.workers}, rounds={args.rounds}, "
+        f"cpus={os.cpu_count()}, torch {torch.__version__}"
+    )
     if args.json:
-        doc = {"machine": machine_info(), "argv": list(argv if argv is not None else sys.argv),
-               "elapsed_s": elapsed, "loaders": loaders, "rows": [r.to_json() for r in rows]}
+        doc = {
+            "machine": machine_info(),
+            "argv": list(argv if argv is not None else sys.argv),
+            "elapsed_s": elapsed,
+            "loaders": loaders,
+            "rows": [r.to_json() for r in rows],
+        }
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1)
     if args.plot:

@@ -1,0 +1,285 @@
+"""Worker side: set-up and fetches. Runs in: worker processes (imports neither asyncio nor CUDA).
+
+Each worker process is initialised once by :func:`init` (the executor's ``initializer``), which
+receives the dataset, ``collate_fn`` and ``worker_init_fn`` exactly once. Tasks then carry only
+``(send_idx, indices)``. Every task returns a :class:`Result`; errors from user code travel back
+as torch's ``ExceptionWrapper`` inside it, so an exception the main process could not rebuild
+never breaks the process pool.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import random
+import select
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils import collate as torch_collate
+from torch.utils.data._utils import signal_handling
+from torch.utils.data._utils import worker as torch_worker
+
+from . import _transport
+
+__all__ = ("Exhausted", "RemoteError", "Result", "WorkerSpec", "fetch", "init", "ping")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs besides the payload; small, pickled with each process start."""
+
+    num_workers: int
+    base_seed: int
+    is_iterable: bool
+    auto_collation: bool
+    drop_last: bool
+    main_pid: int
+    #: Added to each worker's niceness (lower CPU priority than the event loop's process).
+    nice: int
+    #: spawn/forkserver: (payload file, shared tensors); fork: None (see ``objects``).
+    payload_file: tuple[_transport.PayloadFile, list[torch.Tensor]] | None
+    #: fork only: (dataset, collate_fn, worker_init_fn), inherited through fork without pickling.
+    objects: tuple[Any, Any, Any] | None
+    #: iterable datasets get one single-worker pool per worker id; map-style workers draw an id.
+    fixed_worker_id: int | None
+
+
+class Exhausted(NamedTuple):
+    """An iterable-style worker ran dry this epoch (torch's ``_IterableDatasetStopIteration``)."""
+
+    worker_id: int
+
+
+class RemoteError(NamedTuple):
+    """An exception from user code, in a form that always unpickles in the main process.
+
+    The exception *type* is pickled separately: if the main process cannot rebuild it (a class that
+    only exists in the worker), the consumer still gets the traceback text in a RuntimeError.
+    """
+
+    exc_type: bytes | None
+    type_name: str
+    exc_msg: str
+    where: str
+
+    @classmethod
+    def capture(cls, where: str) -> RemoteError:
+        """Capture the exception being handled. Call only inside an ``except`` block."""
+        wrapper = ExceptionWrapper(where=where)  # type: ignore[no-untyped-call]
+        exc_type = wrapper.exc_type
+        try:
+            type_bytes: bytes | None = pickle.dumps(exc_type)
+        except Exception:
+            type_bytes = None
+        name = getattr(exc_type, "__name__", "Exception")
+        return cls(type_bytes, name, wrapper.exc_msg, where)
+
+
+class Result(NamedTuple):
+    """What a task returns: ``data`` is :func:`~aioloader._transport.dumps_result` bytes, or not."""
+
+    send_idx: int
+    worker_id: int
+    pid: int
+    #: bytes | RemoteError | Exhausted from a worker; the main process swaps in the decoded batch.
+    data: object
+    busy_s: float
+
+
+class _State:
+    worker_id: int = -1
+    fetcher: Any = None
+    dataset: Any = None
+    collate_fn: Any = None
+    init_error: RemoteError | None = None
+    epoch: int = -1
+    spec: WorkerSpec | None = None
+    slots: Any = None  # shared array: send_idx each worker is working on, -1 when idle
+
+
+_state = _State()
+
+
+def _watch_parent(main_pid: int) -> None:
+    """Exit when the main process dies, even by SIGKILL: a worker never outlives its loader.
+
+    A pidfd becomes readable when the process exits; this works for forkserver workers too, whose
+    parent is the fork server rather than the main process.
+    """
+    try:
+        pidfd = os.pidfd_open(main_pid)
+    except (AttributeError, OSError):
+        pidfd = -1
+    while True:
+        if pidfd >= 0:
+            select.select([pidfd], [], [])
+        else:
+            time.sleep(1.0)
+            try:
+                os.kill(main_pid, 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        os._exit(1)
+
+
+def _fast_exit() -> None:
+    # Interpreter finalisation would free the whole dataset object by object (0.5-1 s for large
+    # datasets, see FINDINGS.md) only for the kernel to drop the memory anyway.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """torch's tensor collation, steered: batches that travel inline skip shared memory.
+
+    Inside a worker torch's ``collate_tensor_fn`` allocates every stacked batch in a fresh
+    shared-memory segment. A small batch is copied into the result bytes anyway
+    (:data:`~aioloader._transport.INLINE_TENSOR_BYTES`), so the segment is pure cost; for those
+    torch's function runs as it would outside a worker. Large batches are untouched.
+    """
+    elem = batch[0]
+    if sum(x.numel() for x in batch) * elem.element_size() >= _transport.INLINE_TENSOR_BYTES:
+        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
+    saved = torch_worker._worker_info
+    torch_worker._worker_info = None  # this process runs no other thread that reads it
+    try:
+        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
+    finally:
+        torch_worker._worker_info = saved
+
+
+_COLLATE_FN_MAP = {**torch_collate.default_collate_fn_map, torch.Tensor: _collate_tensors}
+
+
+def _default_collate_small_inline(batch: Any) -> Any:
+    """``default_collate`` with :func:`_collate_tensors`: same output, no segment for small ones."""
+    return torch_collate.collate(batch, collate_fn_map=_COLLATE_FN_MAP)
+
+
+def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
+    """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
+
+    A failure is stored and reported by every later fetch, so the consumer sees the original
+    exception type instead of a broken pool.
+    """
+    signal_handling._set_worker_signal_handlers()  # type: ignore[attr-defined]
+    if spec.nice:
+        # Loading is background work: when a core is contended, the event loop should win it.
+        os.nice(spec.nice)
+    torch.set_num_threads(1)
+    threading.Thread(
+        target=_watch_parent, args=(spec.main_pid,), name="aioloader-parent-watch", daemon=True
+    ).start()
+    atexit.register(_fast_exit)
+    # Keyboard interrupts are the main process's to handle; a worker must not die of the same ^C.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    if spec.fixed_worker_id is not None:
+        worker_id = spec.fixed_worker_id
+    else:
+        with id_counter.get_lock():
+            worker_id = id_counter.value
+            id_counter.value += 1
+    pid_slots[worker_id] = os.getpid()
+    _state.worker_id = worker_id
+    _state.spec = spec
+    _state.slots = slots
+    try:
+        if spec.objects is not None:
+            dataset, collate_fn, worker_init_fn = spec.objects
+        else:
+            assert spec.payload_file is not None
+            dataset, collate_fn, worker_init_fn = _transport.load_payload(*spec.payload_file)
+        seed = spec.base_seed + worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            np.random.seed(torch_worker._generate_state(spec.base_seed, worker_id))  # type: ignore[no-untyped-call]
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
+        )
+        _state.dataset = dataset
+        if collate_fn is torch_collate.default_collate:
+            collate_fn = _default_collate_small_inline
+        _state.collate_fn = collate_fn
+        if worker_init_fn is not None:
+            worker_init_fn(worker_id)
+        if not spec.is_iterable:
+            _state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+                _DatasetKind.Map, dataset, spec.auto_collation, collate_fn, spec.drop_last
+            )
+    except Exception:
+        _state.init_error = RemoteError.capture(f"in DataLoader worker process {worker_id}")
+
+
+def ping() -> tuple[int, int]:
+    """Return (worker_id, pid). Used to start every worker process up front."""
+    return _state.worker_id, os.getpid()
+
+
+def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
+    """Load and collate one batch. Runs in: a worker process."""
+    start = time.perf_counter()
+    wid = _state.worker_id
+    if _state.init_error is not None:
+        return Result(send_idx, wid, os.getpid(), _state.init_error, 0.0)
+    spec = _state.spec
+    assert spec is not None
+    where = f"in DataLoader worker process {wid} while loading batch send_idx={send_idx}"
+    slots = _state.slots
+    if slots is not None:
+        slots[wid] = send_idx
+    try:
+        if spec.is_iterable:
+            if _state.epoch != epoch:
+                # A new epoch: a fresh iterator over this worker's replica, as torch does.
+                _state.epoch = epoch
+                _state.fetcher = None
+                _state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+                    _DatasetKind.Iterable,
+                    _state.dataset,
+                    spec.auto_collation,
+                    _state.collate_fn,
+                    spec.drop_last,
+                )
+            try:
+                batch = _state.fetcher.fetch(indices)
+            except StopIteration:
+                return Result(
+                    send_idx, wid, os.getpid(), Exhausted(wid), time.perf_counter() - start
+                )
+        else:
+            batch = _state.fetcher.fetch(indices)
+        try:
+            data: bytes | RemoteError = _transport.dumps_result(batch)
+        except Exception as exc:
+            exc.add_note(
+                f"aioloader: the batch loaded for send_idx={send_idx} cannot be pickled to send it "
+                "back to the main process; return tensors, numbers, strings and containers of them."
+            )
+            raise
+    except Exception:
+        data = RemoteError.capture(where)
+    finally:
+        if slots is not None:
+            slots[wid] = -1
+    return Result(send_idx, wid, os.getpid(), data, time.perf_counter() - start)

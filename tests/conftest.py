@@ -1,0 +1,139 @@
+"""Shared fixtures: every test must leave no child process, thread, fd or shm file behind."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+import torch
+
+# Datasets used across test modules live in tests/datasets.py so spawn/forkserver workers can
+# import them by reference.
+from tests import datasets
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def worker_processes() -> set[int]:
+    """Our descendant processes, less the stdlib's process-wide helpers (kept by design).
+
+    The fork server and the resource tracker are started once and live as long as this process;
+    forkserver *workers* are children of the fork server and are counted.
+    """
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            parent = p.ppid()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        if "resource_tracker" in cmd:
+            continue
+        if "multiprocessing.forkserver" in cmd and parent == os.getpid():
+            continue
+        out.add(p.pid)
+    return out
+
+
+def _threads() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.ident is not None}
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _shm() -> set[str]:
+    try:
+        return {f for f in os.listdir("/dev/shm") if f.startswith(f"aioloader-{os.getpid()}-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _snapshot() -> tuple[set[int], set[int], int, set[str]]:
+    return worker_processes(), _threads(), len(_fds()), _shm()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_global_helpers() -> None:
+    """Start the stdlib's forkserver and resource tracker once, before any baseline is taken."""
+    ctx = multiprocessing.get_context("forkserver")
+    from aioloader._executor import _prepare_forkserver
+
+    _prepare_forkserver(ctx)
+    p = ctx.Process(target=time.sleep, args=(0,))
+    p.start()
+    p.join()
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    # multiprocessing's shared heap keeps its first small arena (and its fd) for the process's
+    # life; the loader's shared counters come from it.
+    _arena_keeper.append(multiprocessing.RawArray("q", 8))
+    # uvloop opens a process-wide pipe the first time a loop is made.
+    try:
+        import uvloop
+    except ImportError:
+        return
+
+    async def nothing() -> None:
+        return None
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(nothing())
+
+
+_arena_keeper: list[object] = []
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves a child process, thread, fd or shared-memory file behind."""
+    before_children, before_threads, before_fds, before_shm = _snapshot()
+    yield
+    if request.node.get_closest_marker("allow_leaks"):
+        return
+    deadline = time.monotonic() + 10
+    while True:
+        gc.collect()  # objects the test made (a tensor moved to shared memory) hold fds too
+        children, threads, nfds, shm = _snapshot()
+        new_children = children - before_children
+        new_threads = threads - before_threads
+        new_shm = shm - before_shm
+        if not new_children and not new_threads and nfds <= before_fds and not new_shm:
+            return
+        if time.monotonic() > deadline:
+            names = [t.name for t in threading.enumerate() if t.ident in new_threads]
+            pytest.fail(
+                f"leaked: children={sorted(new_children)} threads={names} "
+                f"fds {before_fds}->{nfds} shm={sorted(new_shm)}"
+            )
+        time.sleep(0.05)
+
+
+@pytest.fixture(params=START_METHODS)
+def start_method(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def small_ds() -> datasets.RangeDataset:
+    return datasets.RangeDataset(40)
+
+
+def torch_batches(*args: object, **kwargs: object) -> list[object]:
+    """What torch's DataLoader yields for the same arguments (the reference behaviour)."""
+    return list(torch.utils.data.DataLoader(*args, **kwargs))  # type: ignore[arg-type]
+
+
+async def collect(loader: object, limit: float = 60) -> list[object]:
+    """Drain one epoch of ``loader`` within ``limit`` seconds."""
+    async with asyncio.timeout(limit):
+        return [b async for b in loader]  # type: ignore[attr-defined]

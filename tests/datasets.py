@@ -1,0 +1,256 @@
+"""Datasets for the tests, at module level so spawn/forkserver workers can import them."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+
+class RangeDataset(Dataset[torch.Tensor]):
+    """Sample i is ``tensor([i])``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return torch.tensor([i])
+
+
+class DictDataset(Dataset[dict[str, Any]]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.full((3,), float(i)), "label": i, "name": f"s{i}"}
+
+
+class BigDataset(Dataset[torch.Tensor]):
+    """Samples large enough that batches travel through shared memory."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = (3, 64, 64)) -> None:
+        self.n = n
+        self.shape = shape
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full(self.shape, float(i))
+
+
+class GetItemsDataset(RangeDataset):
+    """Defines ``__getitems__``: torch fetches whole batches through it."""
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        return [torch.tensor([i * 10]) for i in indices]
+
+
+class WorkerInfoDataset(Dataset[tuple[int, int, int, int, int]]):
+    """Each sample reports (index, worker id, num_workers, seed, torch threads) of its worker."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[int, int, int, int, int]:
+        info = get_worker_info()
+        assert info is not None
+        assert info.dataset is self
+        return (i, info.id, info.num_workers, info.seed, torch.get_num_threads())
+
+
+class RandomDataset(Dataset[tuple[float, float]]):
+    """Draws from ``random`` and ``torch`` in the worker: tests per-worker seeding."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[float, float]:
+        return random.random(), float(torch.rand(()).item())
+
+
+class ShardedIterable(IterableDataset[int]):
+    """Yields ``range(n)``, split between workers by ``get_worker_info()``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        if info is None:
+            return iter(range(self.n))
+        return iter(range(info.id, self.n, info.num_workers))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class UnevenIterable(IterableDataset[int]):
+    """Worker k yields ``sizes[k]`` items ``k*1000 + j``: workers run dry at different times."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        k = info.id if info is not None else 0
+        return iter(range(k * 1000, k * 1000 + self.sizes[k]))
+
+
+class RaisingDataset(RangeDataset):
+    """Raises ``exc_type(message)`` at index ``bad``."""
+
+    def __init__(self, n: int, bad: int, exc_type: type[BaseException] = ValueError) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.exc_type = exc_type
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            raise self.exc_type(f"bad sample {i}")
+        return super().__getitem__(i)
+
+
+class TwoArgError(Exception):
+    """Pickles, but cannot be rebuilt from a single message argument."""
+
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(a, b)
+
+
+class TwoArgErrorDataset(RangeDataset):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 3:
+            raise TwoArgError("x", "y")
+        return super().__getitem__(i)
+
+
+class LambdaResultDataset(RangeDataset):
+    """Returns a sample that cannot be pickled back to the main process."""
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 2:
+            return lambda: i
+        return super().__getitem__(i)
+
+
+class RaisingIterable(IterableDataset[int]):
+    def __iter__(self) -> Any:
+        yield 1
+        raise KeyError("stream broke")
+
+
+class ExitDataset(RangeDataset):
+    """The worker loading index ``bad`` dies with ``os._exit(code)`` (every time)."""
+
+    def __init__(self, n: int, bad: int, code: int = 7) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.code = code
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            os._exit(self.code)
+        return super().__getitem__(i)
+
+
+class ExitOnceDataset(RangeDataset):
+    """The worker loading index ``bad`` dies, but only the first time (a marker file remembers)."""
+
+    def __init__(self, n: int, bad: int, marker: str) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.marker = marker
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad and not os.path.exists(self.marker):
+            with open(self.marker, "w"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+class SlowDataset(RangeDataset):
+    """Each sample sleeps ``delay`` seconds (a blocking read)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
+class PidDataset(RangeDataset):
+    """Sample is (index, pid of the process that loaded it)."""
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.tensor([i, os.getpid()])
+
+
+def record_worker_init(worker_id: int) -> None:
+    """A worker_init_fn that leaves a trace the dataset can read back."""
+    os.environ["AIOLOADER_TEST_INIT"] = str(worker_id)
+
+
+class InitTraceDataset(RangeDataset):
+    def __getitem__(self, i: int) -> Any:
+        return (i, int(os.environ.get("AIOLOADER_TEST_INIT", "-1")))
+
+
+def failing_worker_init(worker_id: int) -> None:
+    raise OSError(f"init failed in {worker_id}")
+
+
+def failing_collate(batch: list[Any]) -> Any:
+    raise TypeError("collate rejected the batch")
+
+
+class PinnedBatch:
+    """A custom batch type: its ``pin_memory()`` records which thread pinned it."""
+
+    def __init__(self, values: list[int], pinned_by: str | None = None) -> None:
+        self.values = values
+        self.pinned_by = pinned_by
+
+    def pin_memory(self) -> PinnedBatch:
+        import threading
+
+        if -1 in self.values:
+            raise ArithmeticError("this batch cannot be pinned")
+        return PinnedBatch(self.values, threading.current_thread().name)
+
+
+def pinned_batch_collate(samples: list[torch.Tensor]) -> PinnedBatch:
+    return PinnedBatch([int(s) for s in samples])
+
+
+class ExitOnceAtDataset(RangeDataset):
+    """Loading any index in ``bad`` kills the worker, once per index (marker files in ``dir``)."""
+
+    def __init__(self, n: int, bad: list[int], marker_dir: str) -> None:
+        super().__init__(n)
+        self.bad = set(bad)
+        self.marker_dir = marker_dir
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        marker = os.path.join(self.marker_dir, f"died-{i}")
+        if i in self.bad and not os.path.exists(marker):
+            with open(marker, "w"):
+                pass
+            os._exit(9)
+        return super().__getitem__(i)

@@ -1,0 +1,165 @@
+"""Workers die at random during long epochs: every sample still arrives exactly once, in order.
+
+The default run keeps these short; ``python -m pytest -m slow`` adds the long leak soak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import psutil
+import pytest
+
+from aioloader import AsyncDataLoader, WorkerCrashedError
+from tests import datasets
+from tests.conftest import START_METHODS, collect, worker_processes
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+async def test_random_sigkills_lose_and_repeat_nothing(start_method: str) -> None:
+    rng = random.Random(1234)
+    n = 240
+    ds = datasets.PidDataset(n)
+    kills = 0
+    got: list[int] = []
+    async with AsyncDataLoader(
+        ds,
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=start_method,
+        max_worker_restarts=10,
+    ) as loader:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            async with asyncio.timeout(90):
+                async for batch in loader:
+                    got.extend(int(i) for i in batch[:, 0])
+                    if kills < 3 and rng.random() < 0.08:
+                        try:  # the worker may be gone already (replaced after an earlier kill)
+                            os.kill(int(batch[rng.randrange(len(batch)), 1]), signal.SIGKILL)
+                            kills += 1
+                        except ProcessLookupError:
+                            pass
+        restarts = loader.stats().worker_restarts
+    assert got == list(range(n))
+    # A kill can land on a worker that is already being replaced: at most one restart per kill.
+    assert 1 <= restarts <= kills
+    assert sum("restarting the workers" in str(w.message) for w in caught) == restarts
+
+
+async def test_deaths_inside_getitem_are_retried_once_each(tmp_path: Path) -> None:
+    bad = [7, 40, 90]  # three different batches: each batch kills its worker once
+    ds = datasets.ExitOnceAtDataset(120, bad, str(tmp_path))
+    async with AsyncDataLoader(ds, batch_size=3, num_workers=2, max_worker_restarts=10) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got = [int(i) for b in await collect(loader, limit=90) for i in b]
+        assert got == list(range(120))
+        assert loader.stats().worker_restarts == len({i // 3 for i in bad})
+
+
+async def test_restarts_exhausted_then_a_fresh_epoch_works(tmp_path: Path) -> None:
+    ds = datasets.ExitOnceAtDataset(60, [10, 30], str(tmp_path))
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=2, max_worker_restarts=1) as loader:
+        with (
+            pytest.warns(RuntimeWarning, match="restarting"),
+            pytest.raises(WorkerCrashedError, match="max_worker_restarts=1"),
+        ):
+            await collect(loader, limit=60)
+        # Each bad index kills its worker only once: the next epoch runs clean.
+        got = [int(i) for b in await collect(loader, limit=60) for i in b]
+    assert got == list(range(60))
+
+
+async def test_cancelled_aclose_is_finished_by_the_next() -> None:
+    loader = AsyncDataLoader(datasets.SlowDataset(200, 0.01), batch_size=2, num_workers=2)
+    it = aiter(loader)
+    async with asyncio.timeout(30):
+        await anext(it)
+        closing = asyncio.create_task(loader.aclose())
+        await asyncio.sleep(0)
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        await loader.aclose()
+    assert not worker_processes()
+
+
+SIGINT_SCRIPT = textwrap.dedent(
+    """
+    import asyncio
+    from aioloader import AsyncDataLoader
+    from tests import datasets
+
+    async def main():
+        async with AsyncDataLoader(datasets.SlowDataset(10_000, 0.01), batch_size=2,
+                                   num_workers=2) as loader:
+            async for _ in loader:
+                print("ready", flush=True)
+                await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_keyboard_interrupt_shuts_everything_down() -> None:
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGINT_SCRIPT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert len(descendants) >= 2
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 15
+        assert "KeyboardInterrupt" in err
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+        assert not alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.slow
+async def test_hundreds_of_loaders_leave_nothing_behind() -> None:
+    proc = psutil.Process()
+    fds0, threads0 = proc.num_fds(), proc.num_threads()
+    for i in range(300):
+        async with AsyncDataLoader(
+            datasets.BigDataset(12, (1, 256, 256)),
+            batch_size=3,
+            num_workers=2,
+            persistent_workers=i % 4 == 0,
+            in_order=i % 2 == 0,
+        ) as loader:
+            for _ in range(2):
+                async with asyncio.timeout(30):
+                    async for batch in loader:
+                        assert batch.shape[1:] == (1, 256, 256)
+                        if i % 3 == 0:
+                            break
+                del batch
+    async with asyncio.timeout(10):
+        # Nothing signals "the OS released it": poll the counts until they are back.
+        while proc.num_fds() > fds0 or proc.num_threads() > threads0 or worker_processes():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)

@@ -1,0 +1,324 @@
+"""User errors keep their type; dead workers and stalls become clear errors, never hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aioloader import AsyncDataLoader, LoaderTimeoutError, PoisonBatchError, WorkerCrashedError
+from tests import datasets
+from tests.conftest import collect
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_getitem_error_keeps_type_and_loader_recovers(num_workers: int) -> None:
+    ds = datasets.RaisingDataset(12, bad=5)
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=num_workers) as loader:
+        got: list[Any] = []
+        with pytest.raises(ValueError, match="bad sample 5") as info:
+            async with asyncio.timeout(30):
+                async for b in loader:
+                    got.append(b)
+        assert [b.flatten().tolist() for b in got] == [[0, 1], [2, 3]]
+        if num_workers:
+            msg = str(info.value)
+            assert "Caught ValueError in DataLoader worker process" in msg
+            assert "send_idx=2" in msg
+            assert "Traceback" in msg and "__getitem__" in msg
+        # The loader is usable again: a new epoch starts from scratch.
+        with pytest.raises(ValueError):
+            await collect(loader)
+
+
+async def test_iterating_on_after_an_error_continues_the_epoch_like_torch() -> None:
+    ds = datasets.RaisingDataset(8, bad=2)
+    ref = iter(torch.utils.data.DataLoader(ds, batch_size=2))
+    ref_out: list[Any] = []
+    for _ in range(4):
+        try:
+            ref_out.append(next(ref).flatten().tolist())
+        except ValueError:
+            ref_out.append("error")
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=2) as loader:
+        it = aiter(loader)
+        out: list[Any] = []
+        async with asyncio.timeout(30):
+            for _ in range(4):
+                try:
+                    out.append((await anext(it)).flatten().tolist())
+                except ValueError:
+                    out.append("error")
+    assert out == ref_out == [[0, 1], "error", [4, 5], [6, 7]]
+
+
+async def test_collate_and_init_errors_keep_their_type() -> None:
+    async with AsyncDataLoader(
+        datasets.RangeDataset(4), batch_size=2, num_workers=1, collate_fn=datasets.failing_collate
+    ) as loader:
+        with pytest.raises(TypeError, match="collate rejected the batch"):
+            await collect(loader)
+    async with AsyncDataLoader(
+        datasets.RangeDataset(4),
+        batch_size=2,
+        num_workers=2,
+        worker_init_fn=datasets.failing_worker_init,
+    ) as loader:
+        with pytest.raises(OSError, match="init failed in") as info:
+            await collect(loader)
+        assert "in DataLoader worker process" in str(info.value)
+
+
+async def test_iterable_error_keeps_type() -> None:
+    async with AsyncDataLoader(datasets.RaisingIterable(), num_workers=1) as loader:
+        with pytest.raises(KeyError, match="stream broke"):
+            await collect(loader)
+
+
+async def test_exception_that_cannot_be_rebuilt_becomes_runtime_error() -> None:
+    async with AsyncDataLoader(datasets.TwoArgErrorDataset(6), num_workers=2) as loader:
+        with pytest.raises(RuntimeError, match="Caught TwoArgError") as info:
+            await collect(loader)
+        assert "Traceback" in str(info.value)
+        # The pool survived: the next epoch runs up to the bad sample again.
+        with pytest.raises(RuntimeError, match="Caught TwoArgError"):
+            await collect(loader)
+
+
+async def test_unpicklable_result_is_a_clear_error_not_a_hang() -> None:
+    async with AsyncDataLoader(
+        datasets.LambdaResultDataset(4), batch_size=None, num_workers=1
+    ) as loader:
+        with pytest.raises(Exception, match="cannot be pickled to send it back"):
+            await collect(loader, limit=30)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+async def test_stop_iteration_from_getitem_is_an_error(num_workers: int) -> None:
+    ds = datasets.RaisingDataset(6, bad=1, exc_type=StopIteration)
+    async with AsyncDataLoader(ds, num_workers=num_workers) as loader:
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            await collect(loader, limit=30)
+
+
+async def test_index_error_from_dataset_keeps_type() -> None:
+    async with AsyncDataLoader(
+        datasets.RangeDataset(3), batch_sampler=[[0, 1], [7]], num_workers=1
+    ) as loader:
+        with pytest.raises(IndexError):
+            await collect(loader)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+async def test_dead_worker_is_a_clear_error_within_seconds(start_method: str) -> None:
+    loader = AsyncDataLoader(
+        datasets.ExitDataset(20, bad=6, code=7),
+        batch_size=2,
+        num_workers=2,
+        max_worker_restarts=0,
+        multiprocessing_context=start_method,
+    )
+    async with loader:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerCrashedError) as info:
+            await collect(loader, limit=60)
+        assert time.monotonic() - t0 < 30
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert "exit code 7" in str(err) and "DataLoader worker" in str(err)
+    assert err.exitcode == 7
+    assert err.worker_id in (0, 1)
+    assert "send_idx=3" in str(err) and "[6, 7]" in str(err)
+
+
+async def test_poison_batch_is_named_after_two_deaths() -> None:
+    async with AsyncDataLoader(
+        datasets.ExitDataset(20, bad=9), batch_size=4, num_workers=2
+    ) as loader:
+        with (
+            pytest.warns(RuntimeWarning, match="restarting the workers"),
+            pytest.raises(PoisonBatchError) as info,
+        ):
+            await collect(loader, limit=60)
+    assert info.value.indices == [8, 9, 10, 11]
+    assert "killed its worker twice" in str(info.value)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+async def test_worker_killed_once_is_replaced_and_nothing_is_lost(
+    tmp_path: Path, in_order: bool
+) -> None:
+    ds = datasets.ExitOnceDataset(40, bad=13, marker=str(tmp_path / "died"))
+    expected = [[i, i + 1] for i in range(0, 40, 2)]
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=2, in_order=in_order) as loader:
+        with pytest.warns(RuntimeWarning, match=r"SIGKILL.*send_idx=6.*\[12, 13\]"):
+            got = [b.flatten().tolist() for b in await collect(loader, limit=60)]
+        assert loader.stats().worker_restarts == 1
+    assert (got if in_order else sorted(got)) == expected
+
+
+async def test_worker_killed_from_outside_is_replaced() -> None:
+    ds = datasets.PidDataset(60)
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=2, prefetch_factor=1) as loader:
+        it = aiter(loader)
+        got = []
+        async with asyncio.timeout(60):
+            first = await anext(it)
+            got.append(first)
+            os.kill(int(first[0, 1]), signal.SIGKILL)
+            with pytest.warns(RuntimeWarning, match="restarting"):
+                got.extend([b async for b in it])
+    indices = [int(i) for b in got for i in b[:, 0]]
+    assert Counter(indices) == Counter(range(60))
+    assert indices == sorted(indices)
+
+
+async def test_iterable_worker_death_is_not_retried() -> None:
+    class DyingStream(datasets.ShardedIterable):
+        def __iter__(self) -> Any:
+            yield 1
+            os._exit(3)
+
+    async with AsyncDataLoader(DyingStream(4), num_workers=1) as loader:
+        with pytest.raises(WorkerCrashedError, match="IterableDataset worker"):
+            await collect(loader, limit=30)
+
+
+async def test_timeout_raises_instead_of_waiting_forever() -> None:
+    async with AsyncDataLoader(
+        datasets.SlowDataset(4, delay=3.0), num_workers=1, timeout=0.3
+    ) as loader:
+        t0 = time.monotonic()
+        with pytest.raises(LoaderTimeoutError, match=r"timed out after 0\.3 seconds"):
+            await collect(loader)
+        assert time.monotonic() - t0 < 3.0
+
+
+async def test_timeout_is_honoured_without_workers() -> None:
+    # torch accepts timeout with num_workers=0 and then fails with an AssertionError.
+    async with AsyncDataLoader(datasets.SlowDataset(2, delay=1.0), timeout=0.2) as loader:
+        with pytest.raises(TimeoutError):
+            await collect(loader)
+
+
+async def test_sampler_error_surfaces_at_its_position() -> None:
+    def sampler() -> Any:
+        yield 0
+        yield 1
+        raise LookupError("sampler broke")
+
+    async with AsyncDataLoader(
+        datasets.RangeDataset(5), sampler=sampler(), num_workers=1
+    ) as loader:
+        got: list[Any] = []
+        with pytest.raises(LookupError, match="sampler broke"):
+            async with asyncio.timeout(30):
+                async for b in loader:
+                    got.append(int(b))
+    assert got == [0, 1]
+
+
+async def test_empty_batch_from_batch_sampler_is_a_clear_error() -> None:
+    async with AsyncDataLoader(
+        datasets.RangeDataset(4), batch_sampler=[[0, 1], []], num_workers=1
+    ) as loader:
+        with pytest.raises(IndexError, match="empty batch"):
+            await collect(loader)
+
+
+async def test_empty_dataset_gives_an_empty_epoch_like_torch() -> None:
+    async with AsyncDataLoader(datasets.RangeDataset(0), batch_size=2, num_workers=2) as loader:
+        assert await collect(loader) == []
+    with pytest.raises(ValueError, match="num_samples should be a positive integer"):
+        AsyncDataLoader(datasets.RangeDataset(0), shuffle=True)
+
+
+async def test_one_shot_sampler_used_up_is_a_clear_error() -> None:
+    async with AsyncDataLoader(
+        datasets.RangeDataset(6), sampler=iter(range(6)), batch_size=3
+    ) as loader:
+        assert len(await collect(loader)) == 2
+        with pytest.raises(ValueError, match="one-shot iterator"):
+            await collect(loader)
+
+
+EMFILE_SCRIPT = """
+import asyncio, resource
+from aioloader import AsyncDataLoader
+from tests import datasets
+
+async def main():
+    kept = []
+    async with asyncio.timeout(60):
+        async with AsyncDataLoader(datasets.BigDataset(400, (512, 256)), batch_size=1,
+                                   num_workers=2) as loader:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+            try:
+                async for b in loader:
+                    kept.append(b)  # each shared-memory batch holds a descriptor
+            except RuntimeError as exc:
+                print("ERROR:", exc)
+            finally:
+                kept.clear()
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+asyncio.run(main())
+"""
+
+
+def test_running_out_of_file_descriptors_says_how_to_fix_it() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", EMFILE_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert "ERROR: Too many open files" in out.stdout, out.stdout + out.stderr
+    assert "ulimit -n" in out.stdout
+
+
+MID_WRITE_SCRIPT = """
+import asyncio, os, random, signal, warnings
+import psutil
+from aioloader import AsyncDataLoader
+from tests import datasets
+
+async def main():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    rng = random.Random(0)
+    # 192 KiB batches travel inline: longer than a pipe buffer, so kills land mid-write.
+    ds = datasets.BigDataset(600, (3, 128, 128))
+    seen = []
+    async with asyncio.timeout(100):
+        async with AsyncDataLoader(ds, batch_size=1, num_workers=2,
+                                   max_worker_restarts=100) as loader:
+            async for b in loader:
+                seen.append(int(b[0, 0, 0, 0]))
+                if rng.random() < 0.02:
+                    kids = psutil.Process().children()
+                    if kids:
+                        os.kill(rng.choice(kids).pid, signal.SIGKILL)
+    assert seen == list(range(600)), seen[:20]
+    print("restarts", loader.stats().worker_restarts)
+
+asyncio.run(main())
+"""
+
+
+def test_workers_killed_while_writing_results_never_hang_the_loader() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", MID_WRITE_SCRIPT], capture_output=True, text=True, timeout=150
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) >= 3

@@ -1,0 +1,198 @@
+"""What runs inside the workers: worker info, seeds, threads, init fn, transport, start methods."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+
+from aioloader import AsyncDataLoader
+from tests import datasets
+from tests.conftest import collect
+
+
+async def test_worker_info_ids_seeds_and_threads(start_method: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    async with AsyncDataLoader(
+        datasets.WorkerInfoDataset(),
+        batch_size=None,
+        num_workers=2,
+        generator=gen,
+        multiprocessing_context=start_method,
+    ) as loader:
+        rows = [tuple(int(v) for v in r) for r in await collect(loader)]
+    # torch draws the base seed from the generator when the epoch starts.
+    base_seed = int(
+        torch.empty((), dtype=torch.int64)
+        .random_(generator=torch.Generator().manual_seed(11))
+        .item()
+    )
+    assert sorted(r[0] for r in rows) == list(range(16))
+    assert {r[1] for r in rows} <= {0, 1}
+    for _, wid, num_workers, seed, threads in rows:
+        assert num_workers == 2
+        assert seed == base_seed + wid
+        assert threads == 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_random_samples_equal_torch_for_the_same_generator(num_workers: int) -> None:
+    """Random augmentations in __getitem__ reproduce torch's exactly (same worker, same seed)."""
+    # Without workers the samples draw from this process's global RNGs: start both equal.
+    random.seed(0)
+    torch.manual_seed(0)
+    ref = torch.utils.data.DataLoader(
+        datasets.RandomDataset(),
+        batch_size=2,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(1),
+    )
+    expected = [[[float(v) for v in col] for col in b] for b in ref]
+    del ref
+
+    async def run(seed: int) -> list[Any]:
+        random.seed(0)
+        torch.manual_seed(0)
+        async with AsyncDataLoader(
+            datasets.RandomDataset(),
+            batch_size=2,
+            num_workers=num_workers,
+            generator=torch.Generator().manual_seed(seed),
+        ) as loader:
+            return [[[float(v) for v in col] for col in b] for b in await collect(loader)]
+
+    assert await run(1) == expected
+    if num_workers:
+        other = await run(2)
+        assert other != expected
+        flat = [v for b in other for col in b for v in col]
+        assert len(set(flat)) == len(flat)  # workers draw from different streams
+
+
+async def test_worker_init_fn_runs_in_each_worker() -> None:
+    async with AsyncDataLoader(
+        datasets.InitTraceDataset(8),
+        batch_size=None,
+        num_workers=2,
+        worker_init_fn=datasets.record_worker_init,
+    ) as loader:
+        rows = await collect(loader)
+    assert {int(r[1]) for r in rows} <= {0, 1}
+    assert all(int(r[1]) >= 0 for r in rows)
+
+
+async def test_large_batches_arrive_through_shared_memory() -> None:
+    ds = datasets.BigDataset(8, (3, 128, 128))  # 768 KiB batches
+    async with AsyncDataLoader(ds, batch_size=4, num_workers=2) as loader:
+        batches = await collect(loader)
+    assert [float(b[0, 0, 0, 0]) for b in batches] == [0.0, 4.0]
+    # Built by default_collate directly in shared memory, never copied through the pipe.
+    assert all(b.is_shared() for b in batches)
+    assert torch.equal(batches[1][3], torch.full((3, 128, 128), 7.0))
+
+
+async def test_small_batches_travel_inline() -> None:
+    async with AsyncDataLoader(datasets.RangeDataset(8), batch_size=4, num_workers=2) as loader:
+        batches = await collect(loader)
+    assert [b.flatten().tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert not any(b.is_shared() for b in batches)
+    batches[0].add_(1)  # a private, writable copy
+
+
+async def test_dataset_tensor_is_shared_with_spawned_workers() -> None:
+    big = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB: shared, not copied per worker
+    ds = torch.utils.data.TensorDataset(big)
+    async with AsyncDataLoader(
+        ds, batch_size=1 << 17, num_workers=2, multiprocessing_context="spawn"
+    ) as loader:
+        got = torch.cat([b[0] for b in await collect(loader)])
+    assert torch.equal(got, big)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys, torch
+    from torch.utils.data import Dataset
+    from aioloader import AsyncDataLoader
+
+    class Squares(Dataset):          # defined in __main__ of a `python -c` program
+        def __len__(self): return 10
+        def __getitem__(self, i): return torch.tensor(i * i)
+
+    async def main():
+        async with asyncio.timeout(60):
+            async with AsyncDataLoader(Squares(), batch_size=5, num_workers=2,
+                                       collate_fn=lambda b: torch.stack(b).sum(),
+                                       multiprocessing_context=sys.argv[1]) as loader:
+                print([int(b) async for b in loader])
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_main_module_objects_work_under_spawn_and_forkserver(method: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, method],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([0 + 1 + 4 + 9 + 16, 25 + 36 + 49 + 64 + 81])
+
+
+async def test_unpicklable_dataset_under_spawn_names_the_problem() -> None:
+    class Holder(torch.utils.data.Dataset[int]):
+        def __init__(self) -> None:
+            import threading
+
+            self.lock = threading.Lock()
+
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    loader = AsyncDataLoader(Holder(), num_workers=1, multiprocessing_context="spawn")
+    async with loader:
+        with pytest.raises(TypeError, match="lock") as info:
+            await collect(loader)
+    assert "cannot be sent to worker processes" in "".join(getattr(info.value, "__notes__", []))
+
+
+async def test_default_collate_skips_shared_memory_only_for_small_batches() -> None:
+    ds = datasets.DictDataset(8)
+    expected = list(torch.utils.data.DataLoader(ds, batch_size=4))
+    async with AsyncDataLoader(ds, batch_size=4, num_workers=2) as loader:
+        got = await collect(loader)
+    for g, e in zip(got, expected, strict=True):
+        assert g["name"] == e["name"]
+        assert torch.equal(g["label"], e["label"]) and g["label"].dtype == e["label"].dtype
+        assert torch.equal(g["x"], e["x"])
+
+
+async def test_workers_run_at_lower_priority_by_default() -> None:
+    class Nice(datasets.RangeDataset):
+        def __getitem__(self, i: int) -> Any:
+            import os
+
+            return torch.tensor(os.nice(0))
+
+    base = os.nice(0)
+    for nice, expected in ((None, base + 5), (0, base)):
+        kw = {} if nice is None else {"worker_nice": nice}
+        async with AsyncDataLoader(Nice(2), batch_size=None, num_workers=1, **kw) as loader:
+            got = {int(b) for b in await collect(loader)}
+        assert got == {min(19, expected)}
+    with pytest.raises(ValueError, match="worker_nice"):
+        AsyncDataLoader(datasets.RangeDataset(2), worker_nice=20)
