@@ -727,39 +727,39 @@ def bench_loop_lag(cfg: Config) -> list[Row]:
     return rows
 
 
-# --- start-up: each measurement in a fresh interpreter --------------------------------------
+# --- start-up: each measurement in a fresh process -----------------------------------------
+#
+# A fresh interpreter per measurement costs ~3 s (import torch, build the 1.2M-entry list) and
+# 36 of them would eat the whole time budget. Instead one "zygote" interpreter imports torch,
+# builds the dataset once and forks a new process per measurement. The fork is taken before
+# anything loader-related exists (no multiprocessing state, no forkserver, no threads, no event
+# loop), so each measurement starts as a training script does right after building its dataset.
 
 
-def _child_main(spec_json: str) -> int:
-    """Entry point of a start-up child: build the dataset, then time loader -> first batch."""
-    spec = json.loads(spec_json)
-    bs = 64
-    ds = StartupDataset(spec["entries"], serve=bs * 4)
+def _measure_startup(ds: StartupDataset, spec: dict[str, Any]) -> tuple[float, float]:
+    """Time construction -> first batch, then the 2nd epoch's first batch (persistent)."""
     kwargs = {
-        "batch_size": bs,
+        "batch_size": 64,
         "num_workers": spec["workers"],
         "multiprocessing_context": spec["method"],
         "persistent_workers": True,
     }
     if spec["loader"] == AIO:
-        first, second = asyncio.run(_child_aio(ds, kwargs))
-    else:
-        t0 = time.perf_counter()
-        dl = DataLoader(ds, **kwargs)
-        it = iter(dl)
-        next(it)
-        first = time.perf_counter() - t0
-        for _ in it:
-            pass
-        t0 = time.perf_counter()
-        it = iter(dl)
-        next(it)
-        second = time.perf_counter() - t0
-        for _ in it:
-            pass
-        del it, dl
-    print("BENCH-RESULT " + json.dumps({"first_s": first, "epoch2_s": second}), flush=True)
-    return 0
+        return asyncio.run(_child_aio(ds, kwargs))
+    t0 = time.perf_counter()
+    dl = DataLoader(ds, **kwargs)
+    it = iter(dl)
+    next(it)
+    first = time.perf_counter() - t0
+    for _ in it:
+        pass
+    t0 = time.perf_counter()
+    it = iter(dl)
+    next(it)
+    second = time.perf_counter() - t0
+    for _ in it:
+        pass
+    return first, second
 
 
 async def _child_aio(ds: Dataset[Any], kwargs: dict[str, Any]) -> tuple[float, float]:
@@ -776,49 +776,81 @@ async def _child_aio(ds: Dataset[Any], kwargs: dict[str, Any]) -> tuple[float, f
     return first, second
 
 
-def _run_child(loader: str, method: str, workers: int, entries: int) -> tuple[float, float]:
-    spec = json.dumps({"loader": loader, "method": method, "workers": workers, "entries": entries})
-    env = dict(os.environ)
-    # The child must import this very package, wherever it was run from.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    code = (
-        "import sys; from aioloader.benchmark import _child_main; "
-        "sys.exit(_child_main(sys.argv[1]))"
-    )
-    # A new session so that the child's workers (and its forkserver) can be killed as one
-    # group once the numbers are out: orderly shutdown of spawned workers takes ~1 s each run
-    # and is not what this workload measures.
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code, spec],
+def _zygote_main(entries: int) -> int:
+    """Build the dataset once; fork one measurement process per JSON request on stdin."""
+    ds = StartupDataset(entries, serve=64 * 4)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        spec = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()  # own process group: its workers and forkserver die with it below
+            try:
+                first, second = _measure_startup(ds, spec)
+                out: dict[str, Any] = {"first_s": first, "epoch2_s": second}
+            except BaseException as exc:  # report, never fall back into the zygote's loop
+                out = {"error": repr(exc)}
+            print("BENCH-RESULT " + json.dumps(out), flush=True)
+            # Orderly shutdown of spawned workers takes ~1 s and is not measured here.
+            os.killpg(0, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return 0
+
+
+class _Zygote:
+    """Parent-side handle on the zygote interpreter."""
+
+    def __init__(self, entries: int) -> None:
+        env = dict(os.environ)
+        # The zygote must import this very package, wherever it was run from.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        code = (
+            "import sys; from aioloader.benchmark import _zygote_main; "
+            "sys.exit(_zygote_main(int(sys.argv[1])))"
+        )
+        self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as self; close())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(entries)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=err,
+            stderr=self.err,
             text=True,
             env=env,
             start_new_session=True,
         )
-        killer = threading.Timer(180.0, _kill_group, (proc.pid,))
+        self._read("READY")
+
+    def _read(self, prefix: str, timeout: float = 180.0) -> str:
+        assert self.proc.stdout is not None
+        # A stuck measurement must not hang the suite: kill the zygote, which ends the read.
+        killer = threading.Timer(timeout, _kill_group, (self.proc.pid,))
         killer.start()
-        got: dict[str, float] | None = None
         try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith("BENCH-RESULT "):
-                    got = json.loads(line.split(" ", 1)[1])
-                    break
+            for line in self.proc.stdout:
+                if line.startswith(prefix):
+                    return line[len(prefix) :].strip()
         finally:
             killer.cancel()
-            _kill_group(proc.pid)
-            proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        if got is None:
-            err.seek(0)
-            raise RuntimeError(
-                f"start-up child {spec} failed (rc={proc.returncode}):\n{err.read()[-2000:]}"
-            )
-    return float(got["first_s"]), float(got["epoch2_s"])
+        self.err.seek(0)
+        raise RuntimeError(f"start-up zygote died:\n{self.err.read()[-2000:]}")
+
+    def measure(self, loader: str, method: str, workers: int) -> tuple[float, float]:
+        assert self.proc.stdin is not None
+        spec = {"loader": loader, "method": method, "workers": workers}
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        got = json.loads(self._read("BENCH-RESULT "))
+        if "error" in got:
+            raise RuntimeError(f"start-up measurement {spec} failed: {got['error']}")
+        return float(got["first_s"]), float(got["epoch2_s"])
+
+    def close(self) -> None:
+        _kill_group(self.proc.pid)
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.err):
+            if f is not None:
+                f.close()
 
 
 def _kill_group(pgid: int) -> None:
@@ -829,22 +861,25 @@ def _kill_group(pgid: int) -> None:
 def bench_startup(cfg: Config) -> list[Row]:
     loaders = [n for n in cfg.loaders if n != SPDL]  # spdl is compared on throughput only
     combos: list[tuple[str, int]] = (
-        [("fork", 2)]
+        [("fork", 2), ("fork", 4)]
         if cfg.quick
         else [(m, w) for m in ("fork", "spawn", "forkserver") for w in (2, 4)]
     )
-    entries = int(cfg.extra.get("startup_entries", STARTUP_ENTRIES))
-    if not cfg.quick:
-        _run_child(TORCH, "fork", 1, entries)  # warm-up: page cache, .pyc files
+    zygote = _Zygote(int(cfg.extra.get("startup_entries", STARTUP_ENTRIES)))
     first: dict[tuple[str, int], dict[str, list[float]]] = {c: {} for c in combos}
     second: dict[tuple[str, int], dict[str, list[float]]] = {c: {} for c in combos}
-    for r in range(cfg.rounds):
-        for combo in combos:
-            for name in loaders:
-                f, s = _run_child(name, combo[0], combo[1], entries)
-                first[combo].setdefault(name, []).append(f)
-                second[combo].setdefault(name, []).append(s * 1e3)
-        cfg.progress(f"round {r + 1}/{cfg.rounds}")
+    try:
+        for name in loaders:  # warm-up: first-use costs, page cache
+            zygote.measure(name, "fork", 2)
+        for r in range(cfg.rounds):
+            for combo in combos:
+                for name in loaders:
+                    f, s = zygote.measure(name, combo[0], combo[1])
+                    first[combo].setdefault(name, []).append(f)
+                    second[combo].setdefault(name, []).append(s * 1e3)
+            cfg.progress(f"round {r + 1}/{cfg.rounds}")
+    finally:
+        zygote.close()
     rows: list[Row] = []
     for method, w in combos:
         row = Row("startup", f"first batch s, {method}, {w} workers", "lower", first[(method, w)])
