@@ -116,7 +116,7 @@ class WorkerPool:
     ) -> WorkerPool:
         """Build the spec (this may pickle the dataset) and start every worker, off the loop.
 
-        The pool owns the spec's payload file and removes it at shutdown unless
+        The pool owns the spec's payload file and closes it at shutdown unless
         :meth:`hand_over_payload` moved it to a replacement pool.
         """
 
@@ -132,7 +132,7 @@ class WorkerPool:
         return await run_off_loop(start_sync, name="start", on_abandon=lambda p: p._kill_sync())
 
     def hand_over_payload(self) -> None:
-        """A replacement pool now owns the payload file: do not remove it at shutdown."""
+        """A replacement pool now owns the payload file: do not close it at shutdown."""
         self._owns_payload = False
 
     def _remove_payload(self) -> None:
@@ -174,7 +174,7 @@ class WorkerPool:
         )
 
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
-        """Queue one batch; ``worker_id`` picks the worker (iterable datasets), else any worker."""
+        """Queue one batch; ``worker_id`` picks the worker in a pinned pool, else any worker takes it."""
         ex = self._executors[worker_id if self._per_worker and worker_id is not None else 0]
         return ex.submit(_worker.fetch, send_idx, indices, epoch)
 
