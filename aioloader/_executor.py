@@ -174,7 +174,7 @@ class WorkerPool:
         )
 
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
-        """Queue one batch; ``worker_id`` picks the worker in a pinned pool, else any worker takes it."""
+        """Queue one batch; ``worker_id`` picks the worker in a pinned pool, else any one does."""
         ex = self._executors[worker_id if self._per_worker and worker_id is not None else 0]
         return ex.submit(_worker.fetch, send_idx, indices, epoch)
 
