@@ -19,10 +19,12 @@ import ctypes
 import logging
 import multiprocessing
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
+from concurrent.futures import process as _process
 from dataclasses import replace
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -56,6 +58,40 @@ def _prepare_forkserver(ctx: BaseContext) -> None:
                 if mod not in preload:
                     preload.append(mod)
             ctx.set_forkserver_preload(preload)
+
+
+class _ManagerThread(_process._ExecutorManagerThread):
+    """The executor's manager thread with CPython gh-107219 fixed (Python < 3.12 lacks the fix).
+
+    When a worker dies, ``terminate_broken`` fails every pending future with ``set_exception``,
+    which raises ``InvalidStateError`` for one that was cancelled while it waited (the batches of
+    an abandoned epoch). The thread then dies half-way: later futures are never resolved and the
+    call queue's feeder thread and pipes are never closed.
+    """
+
+    def terminate_broken(self, cause: Any) -> None:
+        while True:
+            # Drop the futures that are already done: nobody waits for them.
+            for work_id, item in list(self.pending_work_items.items()):
+                if item.future.done():
+                    self.pending_work_items.pop(work_id, None)
+            try:
+                super().terminate_broken(cause)
+                return
+            except InvalidStateError:  # one was cancelled just now: drop it too and go on
+                continue
+
+
+class _Executor(ProcessPoolExecutor):
+    """``ProcessPoolExecutor`` whose manager thread is :class:`_ManagerThread` where needed."""
+
+    def _start_executor_manager_thread(self) -> None:
+        super()._start_executor_manager_thread()
+        thread: Any = self._executor_manager_thread
+        if sys.version_info < (3, 12) and type(thread) is _process._ExecutorManagerThread:
+            # Swapped right after the thread starts, while its workers are only starting, so
+            # before any of them can have died with a cancelled batch queued.
+            thread.__class__ = _ManagerThread
 
 
 class CrashReport:
@@ -166,7 +202,7 @@ class WorkerPool:
         )
 
     def _new_executor(self, n: int, spec: _worker.WorkerSpec, counter: Any) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(
+        return _Executor(
             max_workers=n,
             mp_context=self._ctx,
             initializer=_worker.init,

@@ -254,3 +254,19 @@ class ExitOnceAtDataset(RangeDataset):
                 pass
             os._exit(9)
         return super().__getitem__(i)
+
+
+class HangOnceDataset(PidDataset):
+    """Index ``stuck`` blocks for a minute the first time it is loaded (a marker file remembers)."""
+
+    def __init__(self, n: int, stuck: int, marker: str) -> None:
+        super().__init__(n)
+        self.stuck = stuck
+        self.marker = marker
+
+    def __getitem__(self, i: int) -> Any:
+        if i == self.stuck and not os.path.exists(self.marker):
+            with open(self.marker, "w"):
+                pass
+            time.sleep(60)
+        return super().__getitem__(i)

@@ -163,3 +163,33 @@ async def test_hundreds_of_loaders_leave_nothing_behind() -> None:
         # Nothing signals "the OS released it": poll the counts until they are back.
         while proc.num_fds() > fds0 or proc.num_threads() > threads0 or worker_processes():  # noqa: ASYNC110
             await asyncio.sleep(0.05)
+
+
+async def test_worker_death_after_an_abandoned_epoch_is_recovered(tmp_path: Path) -> None:
+    """Persistent workers: an epoch ended early leaves cancelled batches queued in the pool; a
+    worker dying before they drain must still break the pool cleanly (CPython gh-107219)."""
+    from aioloader._threads import run_off_loop
+
+    loader = AsyncDataLoader(
+        datasets.HangOnceDataset(6, stuck=1, marker=str(tmp_path / "stuck")),
+        batch_size=1,
+        num_workers=1,
+        persistent_workers=True,
+        prefetch_factor=6,
+    )
+    async with loader, asyncio.timeout(60):
+        it = aiter(loader)
+        pid = int((await anext(it))[0, 1])
+        await it.aclose()  # cancels the batches queued behind the worker stuck on index 1
+        assert loader._persistent_pool is not None
+        (executor,) = loader._persistent_pool._executors
+        manager = executor._executor_manager_thread  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGKILL)  # e.g. the OOM killer
+        # On CPython < 3.12 the manager thread died of InvalidStateError on the cancelled
+        # futures instead of ending cleanly, leaking its queue's thread and pipes.
+        await run_off_loop(lambda: manager.join(30), name="test-join")
+        assert not manager.is_alive()
+        with pytest.warns(RuntimeWarning, match="SIGKILL"):
+            got = [int(b[0, 0]) for b in await collect(loader)]
+        assert got == list(range(6))
+        assert loader.stats().worker_restarts == 1
