@@ -182,9 +182,6 @@ class _ThreadBackend:
             data = _worker.Exhausted(0)
         return _worker.Result(send_idx, 0, os.getpid(), data, time.perf_counter() - start)
 
-    def crash_report(self, settle_s: float = 0) -> CrashReport:
-        return CrashReport(None, None, None, None)
-
     async def shutdown(self, *, graceful: bool) -> None:
         self._ex.shutdown(wait=False, cancel_futures=True)
         # The thread may be inside user code; joining waits for that call to return.
