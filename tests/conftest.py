@@ -50,6 +50,16 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
+def _fd_targets(fds: set[str]) -> list[str]:
+    out = []
+    for fd in sorted(fds, key=int):
+        try:
+            out.append(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            continue
+    return out
+
+
 def _shm() -> set[str]:
     try:
         return {f for f in os.listdir("/dev/shm") if f.startswith(f"aioloader-{os.getpid()}-")}
@@ -74,6 +84,12 @@ def _start_global_helpers() -> None:
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
+    if torch.cuda.is_available():
+        # The CUDA driver opens its device files and a context once per process and keeps them;
+        # open them before any test takes its fd baseline.
+        pinned = torch.ones(1).pin_memory()
+        pinned.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
     # multiprocessing's shared heap keeps its first small arena (and its fd) for the process's
     # life; the loader's shared counters come from it.
     _arena_keeper.append(multiprocessing.RawArray("q", 8))
@@ -97,6 +113,7 @@ _arena_keeper: list[object] = []
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves a child process, thread, fd or shared-memory file behind."""
     before_children, before_threads, before_fds, before_shm = _snapshot()
+    fds_before = _fds()
     yield
     if request.node.get_closest_marker("allow_leaks"):
         return
@@ -113,7 +130,8 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
             names = [t.name for t in threading.enumerate() if t.ident in new_threads]
             pytest.fail(
                 f"leaked: children={sorted(new_children)} threads={names} "
-                f"fds {before_fds}->{nfds} shm={sorted(new_shm)}"
+                f"fds {before_fds}->{nfds} {_fd_targets(_fds() - fds_before)} "
+                f"shm={sorted(new_shm)}"
             )
         time.sleep(0.05)
 

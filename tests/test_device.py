@@ -494,7 +494,11 @@ async def test_cuda_consumer_stream_waits_for_the_copy(
         stage.start()
     batch = torch.randn(4 * 1024 * 1024)
     async with asyncio.timeout(10):
-        await stage.process(batch)  # warm-up creates the side stream
+        warm = await stage.process(batch)  # warm-up creates the side stream
+        with torch.cuda.stream(consumer):
+            # CUDA loads a kernel's module lazily at its first launch, and that load waits for
+            # the whole device: launch the consumer's kernel once before the timed part.
+            warm * 2
         await asyncio.to_thread(torch.cuda.synchronize)
         side = stage._side_stream
         assert side is not None
