@@ -14,22 +14,20 @@ Two shapes, chosen by the loader:
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
-import multiprocessing
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
-from concurrent.futures import process as _process
+from concurrent.futures import Future
 from dataclasses import replace
 from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from . import _worker
+from ._procpool import Executor, kill_executors
 from ._threads import run_off_loop
 
 __all__ = ("CrashReport", "WorkerPool")
@@ -60,50 +58,26 @@ def _prepare_forkserver(ctx: BaseContext) -> None:
             ctx.set_forkserver_preload(preload)
 
 
-class _ManagerThread(_process._ExecutorManagerThread):
-    """The executor's manager thread with CPython gh-107219 fixed (Python < 3.12 lacks the fix).
+class CrashReport:
+    """Which worker died, with what exit code, holding which batch of which epoch.
 
-    When a worker dies, ``terminate_broken`` fails every pending future with ``set_exception``,
-    which raises ``InvalidStateError`` for one that was cancelled while it waited (the batches of
-    an abandoned epoch). The thread then dies half-way: later futures are never resolved and the
-    call queue's feeder thread and pipes are never closed.
+    Any of them may be unknown (None). ``epoch`` and ``send_idx`` name the task the worker was
+    running when it died, which can belong to an earlier, abandoned epoch on a persistent pool.
     """
 
-    def terminate_broken(self, cause: Any) -> None:
-        while True:
-            # Drop the futures that are already done: nobody waits for them.
-            for work_id, item in list(self.pending_work_items.items()):
-                if item.future.done():
-                    self.pending_work_items.pop(work_id, None)
-            try:
-                super().terminate_broken(cause)
-                return
-            except InvalidStateError:  # one was cancelled just now: drop it too and go on
-                continue
-
-
-class _Executor(ProcessPoolExecutor):
-    """``ProcessPoolExecutor`` whose manager thread is :class:`_ManagerThread` where needed."""
-
-    def _start_executor_manager_thread(self) -> None:
-        super()._start_executor_manager_thread()
-        thread: Any = self._executor_manager_thread
-        if sys.version_info < (3, 12) and type(thread) is _process._ExecutorManagerThread:
-            # Swapped right after the thread starts, while its workers are only starting, so
-            # before any of them can have died with a cancelled batch queued.
-            thread.__class__ = _ManagerThread
-
-
-class CrashReport:
-    """Which worker died, with what exit code, holding which batch (any may be unknown)."""
-
     def __init__(
-        self, worker_id: int | None, pid: int | None, exitcode: int | None, send_idx: int | None
+        self,
+        worker_id: int | None,
+        pid: int | None,
+        exitcode: int | None,
+        send_idx: int | None,
+        epoch: int | None = None,
     ):
         self.worker_id = worker_id
         self.pid = pid
         self.exitcode = exitcode
         self.send_idx = send_idx
+        self.epoch = epoch
 
     def describe(self) -> str:
         who = "a worker" if self.worker_id is None else f"worker {self.worker_id}"
@@ -125,8 +99,21 @@ class CrashReport:
 class WorkerPool:
     """``num_workers`` processes initialised with one :class:`~aioloader._worker.WorkerSpec`.
 
-    Create with :meth:`start`; every worker process is started before it returns, off the loop,
-    but the workers initialise concurrently and take tasks as soon as each is ready.
+    Create with :meth:`start`; every worker process is started before it returns, off the loop
+    (a replacement pool after a crash too), but the workers initialise concurrently and take
+    tasks as soon as each is ready. No process is started later: a dead worker breaks its
+    executor, and the owner replaces the whole pool.
+
+    Under the ``fork`` start method every start forks a multi-threaded process (the event loop's
+    thread at least, plus the manager threads of other pools and the device thread). A thread
+    that holds a lock at the instant of the fork (a ``print`` blocked on a full stdout pipe, an
+    allocator lock in a native library) leaves the child holding it, and the child deadlocks when
+    it needs it; Python >= 3.12 warns about exactly this. The residual risk is accepted for
+    ``fork`` (it is what makes ``fork`` cheap: the dataset is inherited, not pickled); it is
+    reduced, not removed, by starting a pool's processes before any of its threads. The warning
+    itself is silenced around our own starts (see :func:`~aioloader._procpool.quiet_fork_warning`;
+    it can never fail a start: CPython clears it even under ``-W error``). ``forkserver`` and
+    ``spawn`` do not have the problem.
     """
 
     def __init__(self, spec: _worker.WorkerSpec, ctx: BaseContext, per_worker: bool) -> None:
@@ -134,14 +121,25 @@ class WorkerPool:
         self.num_workers = spec.num_workers
         self._ctx = ctx
         self._per_worker = per_worker
-        self._executors: list[ProcessPoolExecutor] = []
-        # One slot per worker id: the send_idx it is loading now, or -1. Read after a crash to
-        # name the batch the dead worker was holding.
+        self._executors: list[Executor] = []
+        # One pair of slots per worker id: the (epoch, send_idx) it is loading now, send_idx -1
+        # when idle. Read after a crash to name the task the dead worker was holding; the epoch
+        # tells a task of an abandoned epoch (persistent workers) from the current one.
         self._slots: Any = ctx.RawArray(ctypes.c_longlong, [-1] * self.num_workers)
+        self._epoch_slots: Any = ctx.RawArray(ctypes.c_longlong, [-1] * self.num_workers)
         # One slot per worker id: its pid, written by the worker at start-up.
         self._pid_slots: Any = ctx.RawArray(ctypes.c_longlong, [0] * self.num_workers)
         self._closed = False
         self._owns_payload = True
+        # Serialises _shutdown_sync/_kill_sync: a second caller (another thread) waits until the
+        # first is done and then finds nothing left to do.
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        self._workers: list[tuple[int, BaseProcess]] = []
+        self._procs: list[BaseProcess] = []
+        self._manager_threads: list[threading.Thread] = []
+        self._result_queues: list[Any] = []
+        self._captured = False
 
     @classmethod
     async def start(
@@ -187,12 +185,11 @@ class WorkerPool:
         else:
             counter = self._ctx.Value("i", 0)
             self._executors.append(self._new_executor(self.num_workers, self.spec, counter))
-        # ProcessPoolExecutor starts spawn/forkserver processes lazily, one per submit with no idle
-        # worker, on the submitting thread. Submitting one ping per worker here starts them all on
-        # this helper thread, so later submits from the event loop never start a process.
+        # Every process on this thread, now: under spawn/forkserver CPython would otherwise start
+        # them one per submit() that finds no idle worker, on the event loop, after _capture
+        # took its inventory (unwatched, and a crash blamed on the wrong worker).
         for ex in self._executors:
-            for _ in range(1 if self._per_worker else self.num_workers):
-                ex.submit(_worker.ping)
+            ex.start_workers()
         self._capture_internals()
         _logger.debug(
             "started %d workers (%s) in %.3fs",
@@ -201,27 +198,18 @@ class WorkerPool:
             time.perf_counter() - t0,
         )
 
-    def _new_executor(self, n: int, spec: _worker.WorkerSpec, counter: Any) -> ProcessPoolExecutor:
-        return _Executor(
+    def _new_executor(self, n: int, spec: _worker.WorkerSpec, counter: Any) -> Executor:
+        return Executor(
             max_workers=n,
             mp_context=self._ctx,
             initializer=_worker.init,
-            initargs=(spec, counter, self._slots, self._pid_slots),
+            initargs=(spec, counter, self._slots, self._epoch_slots, self._pid_slots),
         )
 
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
         """Queue one batch; ``worker_id`` picks the worker in a pinned pool, else any one does."""
         ex = self._executors[worker_id if self._per_worker and worker_id is not None else 0]
         return ex.submit(_worker.fetch, send_idx, indices, epoch)
-
-    def _processes(self) -> list[tuple[int, multiprocessing.process.BaseProcess]]:
-        """(worker_id, process) for every process; the id is -1 in a shared pool."""
-        out = []
-        for i, ex in enumerate(self._executors):
-            procs = getattr(ex, "_processes", None) or {}
-            for p in list(procs.values()):
-                out.append((i if self._per_worker else -1, p))
-        return out
 
     def crash_report(self, settle_s: float = 1.0) -> CrashReport:
         """Name the worker that died (after a ``BrokenProcessPool``); blocks up to ``settle_s``.
@@ -238,7 +226,7 @@ class WorkerPool:
         # The executor SIGTERMs the survivors once it sees one die: prefer any other exit code.
         dead.sort(key=lambda wp: wp[1].exitcode == -signal.SIGTERM)
         if not dead:
-            return CrashReport(None, None, None, None)
+            return CrashReport(None, None, None, None, None)
         wid, proc = dead[0]
         if wid < 0 and proc.pid is not None:
             wid = next((w for w in range(self.num_workers) if self._pid_slots[w] == proc.pid), -1)
@@ -248,11 +236,17 @@ class WorkerPool:
             proc.pid,
             proc.exitcode,
             send_idx if send_idx >= 0 else None,
+            self._epoch_slots[wid] if send_idx >= 0 else None,
         )
 
-    def busy_send_idx(self) -> dict[int, int]:
-        """worker id -> send_idx it is loading now."""
-        return {wid: v for wid in range(self.num_workers) if (v := self._slots[wid]) >= 0}
+    def busy_send_idx(self) -> dict[int, tuple[int, int]]:
+        """worker id -> (epoch, send_idx) of the task it is loading now."""
+        out = {}
+        for wid in range(self.num_workers):
+            send_idx = self._slots[wid]
+            if send_idx >= 0:
+                out[wid] = (self._epoch_slots[wid], send_idx)
+        return out
 
     async def shutdown(self, *, graceful: bool) -> None:
         """Stop every worker and the executors' threads; safe to call twice.
@@ -270,9 +264,14 @@ class WorkerPool:
 
         ``ProcessPoolExecutor.shutdown(wait=False)`` drops its references to all three, and they
         are needed afterwards: to kill workers that do not exit, and to unblock and join a
-        manager thread (see :meth:`_kill_sync`).
+        manager thread (see :func:`~aioloader._procpool.kill_executors`).
         """
-        self._workers = self._processes()
+        self._captured = True
+        self._workers = [
+            (i if self._per_worker else -1, p)
+            for i, ex in enumerate(self._executors)
+            for p in ex.processes()
+        ]
         self._procs = [p for _, p in self._workers]
         self._manager_threads = [
             t for ex in self._executors if (t := getattr(ex, "_executor_manager_thread", None))
@@ -286,38 +285,37 @@ class WorkerPool:
         return [p.sentinel for p in self._procs]
 
     def _shutdown_sync(self, graceful: bool) -> None:
-        if graceful:
-            for ex in self._executors:
-                ex.shutdown(wait=False, cancel_futures=True)
-            deadline = time.monotonic() + SHUTDOWN_GRACE_S
-            for p in self._procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        self._kill_sync()
+        with self._stop_lock:
+            if self._stopped:
+                return
+            if graceful and self._captured:
+                deadline = time.monotonic() + SHUTDOWN_GRACE_S
+                # Ask; never wait behind a manager thread that is tearing down a broken pool
+                # (see Executor.request_shutdown): its workers are killed below anyway.
+                asked = [ex.request_shutdown(deadline) for ex in self._executors]
+                if all(asked):
+                    for p in self._procs:
+                        p.join(max(0.0, deadline - time.monotonic()))
+            self._kill_locked()
 
     def _kill_sync(self) -> None:
-        if not hasattr(self, "_procs"):
+        """Kill every worker and release the executors at once; idempotent and thread-safe."""
+        with self._stop_lock:
+            if not self._stopped:
+                self._kill_locked()
+
+    def _kill_locked(self) -> None:
+        if not self._captured:  # the start failed or was abandoned half-way
             self._capture_internals()
-        for ex in self._executors:
-            ex.shutdown(wait=False, cancel_futures=True)
-        for p in self._procs:
-            if p.exitcode is None:
-                with contextlib.suppress(Exception):
-                    p.kill()
-        for p in self._procs:
-            p.join(SHUTDOWN_GRACE_S)
-        # A worker killed in the middle of writing a result larger than the pipe buffer leaves
-        # the manager thread blocked reading the rest, forever: this process holds the queue's
-        # write end too, so no EOF comes. Closing our write end once every worker is gone
-        # delivers the EOF; the thread then sees a broken pool and exits.
-        for q in self._result_queues:
-            with contextlib.suppress(Exception):
-                q._writer.close()
-        for t in self._manager_threads:
-            t.join(SHUTDOWN_GRACE_S)
-            if t.is_alive():
-                _logger.warning("an executor manager thread did not exit: %s", t.name)
-        for q in self._result_queues:
-            with contextlib.suppress(Exception):
-                q.close()
-        self._closed = True
-        self._remove_payload()
+        try:
+            kill_executors(
+                self._executors,
+                self._procs,
+                self._manager_threads,
+                self._result_queues,
+                SHUTDOWN_GRACE_S,
+            )
+        finally:
+            self._stopped = True
+            self._closed = True
+            self._remove_payload()

@@ -2,9 +2,13 @@
 
 Each worker process is initialised once by :func:`init` (the executor's ``initializer``), which
 receives the dataset, ``collate_fn`` and ``worker_init_fn`` exactly once. Tasks then carry only
-``(send_idx, indices)``. Every task returns a :class:`Result`; errors from user code travel back
-as torch's ``ExceptionWrapper`` inside it, so an exception the main process could not rebuild
+``(send_idx, indices, epoch)``. Every task returns a :class:`Result`; errors from user code travel
+back as a :class:`RemoteError` inside it, so an exception the main process could not rebuild
 never breaks the process pool.
+
+User code must not end the worker with ``sys.exit()``: any ``BaseException`` it raises
+(``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``, ...) is caught like an ``Exception``
+and reported to the consumer as a ``RuntimeError`` naming it, at the batch it broke.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,7 +36,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from . import _transport
 
-__all__ = ("Exhausted", "RemoteError", "Result", "WorkerSpec", "fetch", "init", "ping")
+__all__ = ("Exhausted", "RemoteError", "Result", "WorkerSpec", "fetch", "init")
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,24 @@ class RemoteError(NamedTuple):
 
     @classmethod
     def capture(cls, where: str) -> RemoteError:
-        """Capture the exception being handled. Call only inside an ``except`` block."""
+        """Capture the exception being handled. Call only inside an ``except`` block.
+
+        A ``BaseException`` that is not an ``Exception`` (``SystemExit`` from ``sys.exit()``,
+        ``KeyboardInterrupt``, ``GeneratorExit``) is recorded as a ``RuntimeError``: rebuilt as
+        itself in the consumer it would not be caught by ``except Exception``, and a
+        ``SystemExit`` would end ``asyncio.run()`` without a traceback. ``type_name`` and the
+        message still name it, and the message keeps the worker's traceback.
+        """
+        exc = sys.exc_info()[1]
+        if exc is not None and not isinstance(exc, Exception):
+            name = type(exc).__name__
+            text = "".join(traceback.format_exception(exc))
+            msg = (
+                f"Caught {name} {where}. A Dataset, IterableDataset, collate_fn or "
+                f"worker_init_fn must not raise {name} (sys.exit() included): in a DataLoader "
+                f"worker it is reported as a RuntimeError.\nOriginal {text}"
+            )
+            return cls(pickle.dumps(RuntimeError), name, msg, where)
         wrapper = ExceptionWrapper(where=where)  # type: ignore[no-untyped-call]
         exc_type = wrapper.exc_type
         try:
@@ -89,6 +111,9 @@ class Result(NamedTuple):
     """What a task returns: ``data`` is :func:`~aioloader._transport.dumps_result` bytes, or not."""
 
     send_idx: int
+    #: The epoch the task was submitted for (with persistent workers, tasks of an abandoned epoch
+    #: can still finish, or crash, during the next one).
+    epoch: int
     worker_id: int
     pid: int
     #: bytes | RemoteError | Exhausted from a worker; the main process swaps in the decoded batch.
@@ -105,6 +130,7 @@ class _State:
     epoch: int = -1
     spec: WorkerSpec | None = None
     slots: Any = None  # shared array: send_idx each worker is working on, -1 when idle
+    epoch_slots: Any = None  # shared array: the epoch of that task
 
 
 _state = _State()
@@ -171,11 +197,12 @@ def _default_collate_small_inline(batch: Any) -> Any:
     return torch_collate.collate(batch, collate_fn_map=_COLLATE_FN_MAP)
 
 
-def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
+def init(spec: WorkerSpec, id_counter: Any, slots: Any, epoch_slots: Any, pid_slots: Any) -> None:
     """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
 
-    A failure is stored and reported by every later fetch, so the consumer sees the original
-    exception type instead of a broken pool.
+    A failure (any ``BaseException`` from user code, ``SystemExit`` included) is stored and
+    reported by every later fetch, so the consumer sees the original exception type (see
+    :meth:`RemoteError.capture`) instead of a broken pool.
     """
     signal_handling._set_worker_signal_handlers()  # type: ignore[attr-defined]
     if spec.nice:
@@ -199,6 +226,7 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
     _state.worker_id = worker_id
     _state.spec = spec
     _state.slots = slots
+    _state.epoch_slots = epoch_slots
     try:
         if spec.objects is not None:
             dataset, collate_fn, worker_init_fn = spec.objects
@@ -227,13 +255,8 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, pid_slots: Any) -> None:
             _state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
                 _DatasetKind.Map, dataset, spec.auto_collation, collate_fn, spec.drop_last
             )
-    except Exception:
+    except BaseException:  # SystemExit from user code too: this process must live on
         _state.init_error = RemoteError.capture(f"in DataLoader worker process {worker_id}")
-
-
-def ping() -> tuple[int, int]:
-    """Return (worker_id, pid). Used to start every worker process up front."""
-    return _state.worker_id, os.getpid()
 
 
 def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
@@ -241,12 +264,14 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
     start = time.perf_counter()
     wid = _state.worker_id
     if _state.init_error is not None:
-        return Result(send_idx, wid, os.getpid(), _state.init_error, 0.0)
+        return Result(send_idx, epoch, wid, os.getpid(), _state.init_error, 0.0)
     spec = _state.spec
     assert spec is not None
     where = f"in DataLoader worker process {wid} while loading batch send_idx={send_idx}"
     slots = _state.slots
     if slots is not None:
+        # The epoch first: a reader that sees this send_idx sees its epoch too.
+        _state.epoch_slots[wid] = epoch
         slots[wid] = send_idx
     try:
         if spec.is_iterable:
@@ -265,7 +290,7 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
                 batch = _state.fetcher.fetch(indices)
             except StopIteration:
                 return Result(
-                    send_idx, wid, os.getpid(), Exhausted(wid), time.perf_counter() - start
+                    send_idx, epoch, wid, os.getpid(), Exhausted(wid), time.perf_counter() - start
                 )
         else:
             batch = _state.fetcher.fetch(indices)
@@ -277,9 +302,12 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
                 "back to the main process; return tensors, numbers, strings and containers of them."
             )
             raise
-    except Exception:
+    except BaseException:
+        # Not only Exception: a SystemExit (sys.exit() in __getitem__) would otherwise travel
+        # back as itself and end the consumer's asyncio.run(). Workers ignore SIGINT, so a
+        # KeyboardInterrupt here is user code's too.
         data = RemoteError.capture(where)
     finally:
         if slots is not None:
             slots[wid] = -1
-    return Result(send_idx, wid, os.getpid(), data, time.perf_counter() - start)
+    return Result(send_idx, epoch, wid, os.getpid(), data, time.perf_counter() - start)

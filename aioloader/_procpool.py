@@ -1,0 +1,249 @@
+"""``ProcessPoolExecutor`` made safe to start and to stop. Runs in: helper threads.
+
+Standard library only (no torch, no other aioloader module), so the tests can load this file by
+path under every Python version we support, including ones without torch, and check the parts
+that depend on CPython's private executor internals there.
+
+What it adds to the executor:
+
+* :meth:`Executor.start_workers`: every worker process is started up front, on the calling thread.
+  Under spawn/forkserver CPython otherwise starts one process per ``submit()`` that finds no idle
+  worker, on the submitting thread (the event loop), after the pool's owner took its inventory.
+* :meth:`Executor.request_shutdown`: ask idle workers to exit without ever waiting behind the
+  manager thread when it tears down a broken pool (Python >= 3.12 holds the executor's lock
+  while it joins every worker, forever for one that ignores SIGTERM).
+* :func:`kill_executors`: SIGKILL first, then shut the executors down (same reason).
+* :func:`quiet_fork_warning`: silence Python 3.12's multi-threaded ``fork()`` warning around our
+  own process starts, without the thread-unsafe ``warnings.catch_warnings``.
+
+Private executor attributes used (present in CPython 3.11, 3.12 and 3.13): ``_processes``,
+``_max_workers``, ``_spawn_process``, ``_start_executor_manager_thread``,
+``_executor_manager_thread``, ``_executor_manager_thread_wakeup``, ``_shutdown_lock``,
+``_shutdown_thread``, ``_cancel_pending_futures``, ``_broken``, ``_result_queue``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import InvalidStateError, ProcessPoolExecutor
+from concurrent.futures import process as _process
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+__all__ = ("Executor", "kill_executors", "quiet_fork_warning")
+
+_logger = logging.getLogger(__name__)
+
+
+class _ManagerThread(_process._ExecutorManagerThread):
+    """The executor's manager thread with CPython gh-107219 fixed (Python < 3.12 lacks the fix).
+
+    When a worker dies, ``terminate_broken`` fails every pending future with ``set_exception``,
+    which raises ``InvalidStateError`` for one that was cancelled while it waited (the batches of
+    an abandoned epoch). The thread then dies half-way: later futures are never resolved and the
+    call queue's feeder thread and pipes are never closed.
+    """
+
+    def terminate_broken(self, cause: Any) -> None:
+        while True:
+            # Drop the futures that are already done: nobody waits for them.
+            for work_id, item in list(self.pending_work_items.items()):
+                if item.future.done():
+                    self.pending_work_items.pop(work_id, None)
+            try:
+                super().terminate_broken(cause)
+                return
+            except InvalidStateError:  # one was cancelled just now: drop it too and go on
+                continue
+
+
+class Executor(ProcessPoolExecutor):
+    """A ``ProcessPoolExecutor`` that starts all its processes at once and stops without hanging.
+
+    Call :meth:`start_workers` right after construction, before the executor is shared with any
+    other thread; afterwards it never starts a process again (a dead worker breaks the pool, and
+    the owner replaces the whole pool).
+    """
+
+    def start_workers(self) -> None:
+        """Start all ``max_workers`` processes on this thread, then the manager thread.
+
+        The processes are started before the manager thread, so no thread of this executor runs
+        while they fork (under the fork start method, a thread holding a lock at that moment
+        leaves the child with a lock nobody releases).
+        """
+        # CPython's own "start them all" (_launch_processes) is for fork only and asserts that no
+        # manager thread exists yet; this does the same for every start method.
+        with quiet_fork_warning():
+            while len(self._processes) < self._max_workers:  # type: ignore[attr-defined]
+                self._spawn_process()  # type: ignore[attr-defined]
+        with self._shutdown_lock:
+            # Under the lock, as submit() starts it. From now on submit() finds as many processes
+            # as max_workers and never starts one (_adjust_process_count).
+            self._start_executor_manager_thread()
+
+    def _start_executor_manager_thread(self) -> None:
+        super()._start_executor_manager_thread()
+        thread: Any = self._executor_manager_thread
+        if sys.version_info < (3, 12) and type(thread) is _process._ExecutorManagerThread:
+            # Swapped right after the thread starts and before any task was submitted, so
+            # before a cancelled task can be pending when a worker dies.
+            thread.__class__ = _ManagerThread
+
+    def processes(self) -> list[BaseProcess]:
+        """The worker processes (empty once the executor dropped them at shutdown)."""
+        procs: dict[int, BaseProcess] | None = getattr(self, "_processes", None)
+        return list(procs.values()) if procs else []
+
+    def request_shutdown(self, deadline: float) -> bool:
+        """``shutdown(wait=False, cancel_futures=True)`` unless the pool broke; never blocks long.
+
+        Returns whether the workers were asked to exit. On Python >= 3.12 the manager thread
+        holds ``_shutdown_lock`` while it terminates a broken pool and joins every worker, which
+        never ends while a worker ignores SIGTERM; ``shutdown()`` would wait for that lock. Here
+        the lock is taken with a timeout, and a broken pool (the manager thread is tearing it
+        down) or the ``deadline`` (``time.monotonic()``) ends the attempt: the caller kills the
+        processes instead.
+        """
+        lock: threading.Lock = self._shutdown_lock
+        while not lock.acquire(timeout=0.01):
+            if self._broken or time.monotonic() >= deadline:
+                return False
+        try:
+            if self._broken:
+                return False
+            # What shutdown(wait=False, cancel_futures=True) does under the lock; calling it
+            # would take the lock again. The references it drops are dropped by a later
+            # shutdown() in kill_executors.
+            self._cancel_pending_futures = True
+            self._shutdown_thread = True
+            wakeup = self._executor_manager_thread_wakeup
+            if wakeup is not None:
+                wakeup.wakeup()
+        finally:
+            lock.release()
+        return True
+
+
+def kill_executors(
+    executors: Sequence[ProcessPoolExecutor],
+    procs: Sequence[BaseProcess],
+    manager_threads: Sequence[threading.Thread],
+    result_queues: Sequence[Any],
+    timeout: float,
+) -> None:
+    """SIGKILL every process, then shut the executors down and join their manager threads.
+
+    The processes, manager threads and result queues are the executors' own, taken before any
+    ``shutdown()`` (which drops the executor's references to them).
+
+    The order matters. A manager thread that saw a worker die SIGTERMs the others and joins them,
+    on Python >= 3.12 while holding the executor's ``_shutdown_lock``; ``shutdown()`` needs the
+    same lock. A survivor that ignores SIGTERM (a handler installed by user code) is never
+    joined, so ``shutdown()`` called first would block forever. Killed first, every process ends,
+    the manager thread's joins return and the lock is free.
+    """
+    for p in procs:
+        if p.exitcode is None:
+            with contextlib.suppress(Exception):  # already reaped, or never started
+                p.kill()
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(timeout)
+    # A worker killed in the middle of writing a result larger than the pipe buffer leaves the
+    # manager thread blocked reading the rest, forever: this process holds the queue's write end
+    # too, so no EOF comes. Closing our write end once every worker is gone delivers the EOF; the
+    # thread then sees a broken pool and exits.
+    for q in result_queues:
+        with contextlib.suppress(Exception):
+            q._writer.close()
+    for ex in executors:
+        ex.shutdown(wait=False, cancel_futures=True)
+    for t in manager_threads:
+        t.join(timeout)
+        if t.is_alive():
+            _logger.warning("an executor manager thread did not exit: %s", t.name)
+    for q in result_queues:
+        with contextlib.suppress(Exception):
+            q.close()
+
+
+# ------------------------------------------------------------------------- the fork() warning
+#
+# Python >= 3.12 warns from os.fork() in the parent, on the thread that forks (here:
+# multiprocessing.popen_fork.Popen._launch on our start-up thread), once the child exists, when
+# the process has more than one thread: "This process (pid=N) is multi-threaded, use of fork()
+# may lead to deadlocks in the child." (posixmodule.c, warn_about_fork_with_threads). An error
+# raised by that warning (-W error) is cleared right there in C (PyErr_Clear), so os.fork() still
+# returns the pid: the warning cannot fail a start half-way, it is only printed or recorded under
+# the "default"/"always" actions.
+#
+# Our starts always run on a helper thread while the event loop runs, so the process is always
+# multi-threaded when we fork. There is no small real fix (it would take forking every worker
+# from a single-threaded process, i.e. forkserver, which users choose with
+# multiprocessing_context="forkserver"); we reduce what can go wrong instead (no thread of the
+# pool being started runs while it forks, see Executor.start_workers) and silence this one
+# warning around our own starts, since the user cannot act on it for forks they did not make.
+#
+# warnings.catch_warnings() cannot be used: it swaps the process-wide filter list and restores
+# it on exit, so two threads using it at once can lose each other's filters or leave one
+# installed for good (the loader itself uses it on the event loop thread). Instead one filter
+# entry is added while any start is under way (counted under a lock) and removed by identity
+# from the list it went into, leaving every other filter as it is.
+
+_FORK_WARNING = re.compile(
+    r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to deadlocks",
+    re.IGNORECASE,
+)
+_FORK_FILTER = ("ignore", _FORK_WARNING, DeprecationWarning, re.compile(r"multiprocessing\."), 0)
+_fork_filter_lock = threading.Lock()
+_fork_filter_users = 0
+_fork_filter_lists: list[list[Any]] = []
+
+
+def _filters_mutated() -> None:
+    # Invalidates the per-module "already warned" caches; private, present in 3.11-3.13.
+    mutated = getattr(warnings, "_filters_mutated", None)
+    if mutated is not None:
+        mutated()
+
+
+@contextlib.contextmanager
+def quiet_fork_warning() -> Iterator[None]:
+    """Silence Python 3.12's multi-threaded ``fork()`` DeprecationWarning from multiprocessing
+    while the block runs; every other warning and filter is left alone. Thread-safe."""
+    global _fork_filter_users
+    if sys.version_info < (3, 12):  # no such warning
+        yield
+        return
+    with _fork_filter_lock:
+        _fork_filter_users += 1
+        if _fork_filter_users == 1:
+            filters: list[Any] = warnings.filters
+            filters.insert(0, _FORK_FILTER)
+            _fork_filter_lists.append(filters)
+            _filters_mutated()
+    try:
+        yield
+    finally:
+        with _fork_filter_lock:
+            _fork_filter_users -= 1
+            if _fork_filter_users == 0:
+                # From the list it went into, and from the current one if another thread's
+                # catch_warnings() copied it meanwhile: by identity, so an equal filter the
+                # user installed stays.
+                current: list[Any] = warnings.filters
+                for lst in [*_fork_filter_lists, current]:
+                    for i, entry in enumerate(lst):
+                        if entry is _FORK_FILTER:
+                            del lst[i]
+                            break
+                _fork_filter_lists.clear()
+                _filters_mutated()

@@ -1,0 +1,263 @@
+"""Checks of aioloader/_procpool.py that need no torch: run with any Python >= 3.11.
+
+    python tests/procpool_check.py [SCENARIO ...] [--old-order]
+
+The module is loaded by path (the aioloader package imports torch), so the parts that rely on
+CPython's private executor internals are exercised under every interpreter available, 3.12 and
+3.13 included. Prints one line per scenario, ``<name>: ok ...`` or ``<name>: FAIL ...``, and
+exits 1 if any failed. tests/test_executor.py runs it under each Python it finds.
+
+``--old-order`` runs ``kill_after_crash`` with the order aioloader used before (``shutdown()``
+first, then SIGKILL), to show the scenario reproduces the hang on Python >= 3.12.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.util
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+#: How long a step may block before the scenario counts as hung.
+HANG_S = 4.0
+
+
+def load_procpool() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "aioloader" / "_procpool.py"
+    spec = importlib.util.spec_from_file_location("aioloader_procpool_check", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------- run in the worker processes
+
+
+def ignore_sigterm() -> None:
+    # What user code may do in a worker (a "graceful shutdown" handler): SIGTERM no longer ends it.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+
+
+def nap(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def within(seconds: float, fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """Run ``fn`` on a daemon thread: (finished in time, its result or exception)."""
+    out: list[Any] = []
+
+    def target() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    return (not t.is_alive(), out[0] if out else None)
+
+
+def sigkill_all(procs: list[Any]) -> None:
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, TypeError):
+            pass
+
+
+def broken_pool(pp: ModuleType, ctx: Any) -> tuple[Any, list[Any]]:
+    """A two-worker pool whose manager thread is terminating it after one worker died, with the
+    survivor ignoring SIGTERM: on Python >= 3.12 the thread now holds the shutdown lock for good."""
+    ex = pp.Executor(2, mp_context=ctx, initializer=ignore_sigterm)
+    ex.start_workers()
+    procs = ex.processes()
+    # Every worker initialised (SIGTERM handler in place) before the crash.
+    futs = [ex.submit(nap, 0.2) for _ in range(4)]
+    for f in futs:
+        f.result(timeout=30)
+    ex.submit(nap, 60)
+    ex.submit(nap, 60)
+    time.sleep(0.3)
+    os.kill(procs[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not ex._broken and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the manager thread is inside terminate_broken now
+    return ex, procs
+
+
+# ---------------------------------------------------------------------------------- scenarios
+
+
+def kill_after_crash(pp: ModuleType, old_order: bool) -> str:
+    ctx = multiprocessing.get_context("fork")
+    ex, procs = broken_pool(pp, ctx)
+    manager = ex._executor_manager_thread
+    queues = [ex._result_queue]
+
+    def stop() -> None:
+        if old_order:  # what WorkerPool._kill_sync did before: shutdown() first
+            ex.shutdown(wait=False, cancel_futures=True)
+        pp.kill_executors([ex], procs, [manager], queues, 5.0)
+
+    t0 = time.perf_counter()
+    done, err = within(HANG_S, stop)
+    if not done:
+        sigkill_all(procs)
+        within(HANG_S, lambda: manager.join())
+        return f"HANG: stopping blocked for more than {HANG_S:.0f} s"
+    if isinstance(err, BaseException):
+        return f"FAIL: {err!r}"
+    alive = [p.pid for p in procs if p.is_alive()]
+    if alive or manager.is_alive():
+        return f"FAIL: left alive: processes {alive}, manager thread {manager.is_alive()}"
+    return f"ok: stopped in {time.perf_counter() - t0:.2f}s"
+
+
+def graceful_after_crash(pp: ModuleType) -> str:
+    """request_shutdown() on a pool being torn down gives up at once instead of blocking."""
+    ctx = multiprocessing.get_context("fork")
+    ex, procs = broken_pool(pp, ctx)
+    manager = ex._executor_manager_thread
+    t0 = time.perf_counter()
+    done, asked = within(HANG_S, lambda: ex.request_shutdown(time.monotonic() + 30))
+    took = time.perf_counter() - t0
+    if not done:
+        sigkill_all(procs)
+        within(HANG_S, lambda: manager.join())
+        return f"HANG: request_shutdown blocked for more than {HANG_S:.0f} s"
+    pp.kill_executors([ex], procs, [manager], [ex._result_queue], 5.0)
+    if asked is not False or took > 1.0:
+        return f"FAIL: request_shutdown returned {asked!r} after {took:.2f}s"
+    if any(p.is_alive() for p in procs) or manager.is_alive():
+        return "FAIL: something left alive"
+    return f"ok: gave up after {took:.2f}s"
+
+
+def graceful_idle(pp: ModuleType) -> str:
+    """An idle healthy pool: the workers are asked to exit and exit by themselves."""
+    ex = pp.Executor(2, mp_context=multiprocessing.get_context("spawn"))
+    ex.start_workers()
+    procs = ex.processes()
+    ex.submit(nap, 0).result(timeout=30)
+    manager = ex._executor_manager_thread
+    queues = [ex._result_queue]
+    if not ex.request_shutdown(time.monotonic() + 5):
+        return "FAIL: request_shutdown refused a healthy pool"
+    for p in procs:
+        p.join(10)
+    codes = [p.exitcode for p in procs]
+    pp.kill_executors([ex], procs, [manager], queues, 5.0)
+    if codes != [0, 0]:
+        return f"FAIL: exit codes {codes} (expected the workers to exit by themselves)"
+    if manager.is_alive():
+        return "FAIL: manager thread alive"
+    return "ok"
+
+
+def start_all(pp: ModuleType, method: str) -> str:
+    """Every process starts in start_workers(), on its thread; submits never start another."""
+    starts: list[str] = []
+
+    class Spy(pp.Executor):  # type: ignore[name-defined,misc]
+        def _spawn_process(self) -> None:
+            starts.append(threading.current_thread().name)
+            super()._spawn_process()
+
+    n = 3
+    ex = Spy(n, mp_context=multiprocessing.get_context(method))
+    t = threading.Thread(target=ex.start_workers, name="starter")
+    t.start()
+    t.join(60)
+    started = {p.pid for p in ex.processes()}
+    # Submitted from this thread (the event loop's, in aioloader), more tasks than workers.
+    pids = {f.result(timeout=60) for f in [ex.submit(nap, 0.05) for _ in range(3 * n)]}
+    after = {p.pid for p in ex.processes()}
+    procs, manager, queues = ex.processes(), ex._executor_manager_thread, [ex._result_queue]
+    pp.kill_executors([ex], procs, [manager], queues, 5.0)
+    if starts != ["starter"] * n or len(started) != n:
+        return f"FAIL: starts on threads {starts}, {len(started)} processes after start_workers"
+    if after != started or not pids <= started:
+        return f"FAIL: processes changed: {sorted(started)} -> {sorted(after)}, used {sorted(pids)}"
+    return f"ok: {n} processes started on the start-up thread, none later"
+
+
+def fork_warning(pp: ModuleType) -> str:
+    """No multi-threaded fork() warning from our starts; the warning filters are left as found."""
+    ctx = multiprocessing.get_context("fork")
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)  # the process is multi-threaded, as with a loop
+    other.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            before = list(warnings.filters)
+            # Control: a plain executor started the same way does warn on Python >= 3.12.
+            plain = pp.ProcessPoolExecutor(1, mp_context=ctx)
+            within(60, lambda: plain.submit(nap, 0).result())
+            plain.shutdown()
+            control = [w for w in caught if "multi-threaded" in str(w.message)]
+            caught.clear()
+            ex = pp.Executor(2, mp_context=ctx)
+            within(60, ex.start_workers)
+            ours = [str(w.message) for w in caught if "multi-threaded" in str(w.message)]
+            after = list(warnings.filters)
+            procs = ex.processes()
+            pp.kill_executors([ex], procs, [ex._executor_manager_thread], [ex._result_queue], 5)
+    finally:
+        stop.set()
+        other.join()
+    if ours:
+        return f"FAIL: our start warned: {ours}"
+    if after != before:
+        return "FAIL: the warning filters changed"
+    expect = sys.version_info >= (3, 12)
+    if bool(control) != expect:
+        return f"FAIL: control warned={bool(control)}, expected {expect}"
+    return f"ok: control warned={bool(control)}, ours did not"
+
+
+def main(argv: list[str]) -> int:
+    # Whatever hangs in a way the scenarios do not catch: tracebacks, then exit.
+    faulthandler.dump_traceback_later(240, exit=True)
+    old_order = "--old-order" in argv
+    names = [a for a in argv if not a.startswith("--")]
+    pp = load_procpool()
+    scenarios: dict[str, Callable[[], str]] = {
+        "kill_after_crash": lambda: kill_after_crash(pp, old_order),
+        "graceful_after_crash": lambda: graceful_after_crash(pp),
+        "graceful_idle": lambda: graceful_idle(pp),
+        "start_all_spawn": lambda: start_all(pp, "spawn"),
+        "start_all_forkserver": lambda: start_all(pp, "forkserver"),
+        "start_all_fork": lambda: start_all(pp, "fork"),
+        "fork_warning": lambda: fork_warning(pp),
+    }
+    failed = False
+    for name in names or list(scenarios):
+        try:
+            line = scenarios[name]()
+        except BaseException as exc:
+            line = f"FAIL: {exc!r}"
+        failed |= not line.startswith("ok")
+        print(f"{name}: {line}  [Python {sys.version.split()[0]}]", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
