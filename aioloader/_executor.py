@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing.connection
 import signal
 import threading
 import time
@@ -135,6 +136,9 @@ class WorkerPool:
         # first is done and then finds nothing left to do.
         self._stop_lock = threading.Lock()
         self._stopped = False
+        # Set by _kill_sync before it waits for that lock: a graceful shutdown under way stops
+        # waiting for idle workers and lets it kill them now.
+        self._kill_requested = threading.Event()
         self._workers: list[tuple[int, BaseProcess]] = []
         self._procs: list[BaseProcess] = []
         self._manager_threads: list[threading.Thread] = []
@@ -294,12 +298,26 @@ class WorkerPool:
                 # (see Executor.request_shutdown): its workers are killed below anyway.
                 asked = [ex.request_shutdown(deadline) for ex in self._executors]
                 if all(asked):
-                    for p in self._procs:
-                        p.join(max(0.0, deadline - time.monotonic()))
+                    self._wait_for_exit(deadline)
             self._kill_locked()
 
+    def _wait_for_exit(self, deadline: float) -> None:
+        """Wait until every worker exited, the deadline passed or a kill was requested."""
+        while not self._kill_requested.is_set():
+            alive = [p.sentinel for p in self._procs if p.exitcode is None]
+            left = deadline - time.monotonic()
+            if not alive or left <= 0:
+                return
+            # In short slices, to notice a kill request.
+            multiprocessing.connection.wait(alive, min(left, 0.05))
+
     def _kill_sync(self) -> None:
-        """Kill every worker and release the executors at once; idempotent and thread-safe."""
+        """Kill every worker and release the executors at once; idempotent and thread-safe.
+
+        A graceful shutdown under way on another thread stops waiting; this returns once
+        everything is gone, whichever call did the work.
+        """
+        self._kill_requested.set()
         with self._stop_lock:
             if not self._stopped:
                 self._kill_locked()
