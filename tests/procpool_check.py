@@ -13,6 +13,7 @@ first, then SIGKILL), to show the scenario reproduces the hang on Python >= 3.12
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib.util
 import multiprocessing
@@ -75,10 +76,8 @@ def within(seconds: float, fn: Callable[[], Any]) -> tuple[bool, Any]:
 
 def sigkill_all(procs: list[Any]) -> None:
     for p in procs:
-        try:
+        with contextlib.suppress(ProcessLookupError, TypeError):
             os.kill(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, TypeError):
-            pass
 
 
 def broken_pool(pp: ModuleType, ctx: Any) -> tuple[Any, list[Any]]:

@@ -1,0 +1,503 @@
+"""WorkerPool and the worker side: start-up, stopping in any order, crash reports, and
+``BaseException`` from user code. The parts that need no torch also run under every Python found
+(tests/procpool_check.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import multiprocessing
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+from aioloader import AsyncDataLoader, _executor, _transport, _worker
+from aioloader._executor import CrashReport, WorkerPool
+from aioloader._threads import run_off_loop
+from tests.conftest import worker_processes
+
+CHECK_SCRIPT = Path(__file__).with_name("procpool_check.py")
+
+# ---------------------------------------------------------------------------------- datasets
+# At module level: spawn/forkserver workers import them from here.
+
+
+class PidDataset(Dataset[torch.Tensor]):
+    """Sample i is ``tensor([i, pid])``; index ``slow`` takes ``delay`` seconds."""
+
+    def __init__(self, n: int, slow: int = -1, delay: float = 0.0) -> None:
+        self.n, self.slow, self.delay = n, slow, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.slow or self.slow == -2:  # -2: every index
+            time.sleep(self.delay)
+        return torch.tensor([i, os.getpid()])
+
+
+class RaisesBuiltinAt(PidDataset):
+    """``__getitem__(at)`` raises ``exc`` (SystemExit, KeyboardInterrupt, ...)."""
+
+    def __init__(self, n: int, at: int, exc: type[BaseException]) -> None:
+        super().__init__(n)
+        self.at, self.exc = at, exc
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.at:
+            if self.exc is SystemExit:
+                sys.exit(2)  # what a dataset calling argparse or sys.exit() does
+            raise self.exc(f"from sample {i}")
+        return super().__getitem__(i)
+
+
+class ExitingStream(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        sys.exit(5)
+
+
+def quick_dataset() -> TensorDataset[torch.Tensor]:
+    """A dataset whose class the fork server has imported already: its workers are ready (and
+    idle) within milliseconds, which is when CPython's lazy process starts go wrong."""
+    return TensorDataset(torch.arange(64))
+
+
+def exit_in_worker_init(worker_id: int) -> None:
+    sys.exit(3)
+
+
+def exit_in_collate(batch: list[Any]) -> Any:
+    raise SystemExit(4)
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: None)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def make_spec(
+    dataset: Any,
+    num_workers: int,
+    ctx: Any,
+    worker_init_fn: Callable[[int], None] | None = None,
+) -> _worker.WorkerSpec:
+    """A WorkerSpec as the loader builds one (see AsyncDataLoader._make_spec)."""
+    objects = (dataset, default_collate, worker_init_fn)
+    fork = ctx.get_start_method() == "fork"
+    return _worker.WorkerSpec(
+        num_workers=num_workers,
+        base_seed=0,
+        is_iterable=False,
+        auto_collation=True,
+        drop_last=False,
+        main_pid=os.getpid(),
+        nice=0,
+        payload_file=None if fork else _transport.dump_payload(objects),
+        objects=objects if fork else None,
+        fixed_worker_id=None,
+    )
+
+
+async def start_pool(
+    dataset: Any,
+    num_workers: int,
+    method: str,
+    *,
+    per_worker: bool,
+    worker_init_fn: Callable[[int], None] | None = None,
+) -> WorkerPool:
+    ctx = multiprocessing.get_context(method)
+    async with asyncio.timeout(60):
+        return await WorkerPool.start(
+            lambda: make_spec(dataset, num_workers, ctx, worker_init_fn), ctx, per_worker
+        )
+
+
+async def result(fut: Future[Any], limit: float = 30) -> _worker.Result:
+    async with asyncio.timeout(limit):
+        res: _worker.Result = await asyncio.wrap_future(fut)
+    return res
+
+
+def batch_of(res: _worker.Result) -> Any:
+    assert isinstance(res.data, bytes), res.data
+    return _transport.loads_result(res.data)
+
+
+async def wait_until(cond: Callable[[], bool], limit: float = 30) -> None:
+    async with asyncio.timeout(limit):
+        while not cond():  # noqa: ASYNC110 (shared memory written by another process)
+            await asyncio.sleep(0.01)
+
+
+def pids_of(pool: WorkerPool) -> set[int]:
+    return {p.pid for p in pool._procs if p.pid is not None}
+
+
+def executor_pids(pool: WorkerPool) -> set[int]:
+    return {pid for ex in pool._executors for pid in (ex._processes or {})}  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------- torch-free checks, every Python
+
+
+def _interpreters() -> dict[str, str]:
+    """version -> executable: this Python, and every other CPython >= 3.11 installed by pyenv."""
+    found = {sys.version.split()[0]: sys.executable}
+    root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
+    for exe in sorted(glob.glob(f"{root}/versions/3.*/bin/python3")):
+        m = re.search(r"/versions/(3\.(\d+)\.\d+)/", exe)
+        if m and int(m.group(2)) >= 11 and m.group(1) not in found:
+            found[m.group(1)] = exe
+    return {v: found[v] for v in sorted(found, key=lambda v: tuple(map(int, v.split("."))))}
+
+
+def _version(exe: str) -> tuple[int, int]:
+    out = subprocess.run(
+        [exe, "-c", "import sys; print(*sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+def _run_check(exe: str, *args: str) -> subprocess.CompletedProcess[str]:
+    # -I: no site-packages, no PYTHONPATH: only the standard library is importable (no torch).
+    return subprocess.run(
+        [exe, "-I", str(CHECK_SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("exe", list(_interpreters().values()), ids=list(_interpreters()))
+def test_executor_internals_hold_under_every_python(exe: str) -> None:
+    """All workers start up front on the starting thread; stopping never hangs behind a manager
+    thread that tears down a broken pool; the fork warning is silenced without leaking a filter."""
+    proc = _run_check(exe)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": ok") == 7, proc.stdout
+
+
+def test_the_old_kill_order_hangs_on_python_3_12() -> None:
+    """The check above is meaningful: with shutdown() before SIGKILL it hangs on >= 3.12."""
+    newer = [exe for exe in _interpreters().values() if _version(exe) >= (3, 12)]
+    if not newer:
+        pytest.skip("no Python >= 3.12 installed")
+    proc = _run_check(newer[0], "kill_after_crash", "--old-order")
+    assert proc.returncode == 1
+    assert "kill_after_crash: HANG" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------- start-up
+
+
+@pytest.fixture
+def process_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the threads that start worker processes, in order. Each start is followed by a
+    pause, as on a busy machine: the workers started first are idle before the next start."""
+    starts: list[str] = []
+    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
+
+    def slow_spawn(self: ProcessPoolExecutor) -> None:
+        spawn(self)
+        starts.append(threading.current_thread().name)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", slow_spawn)
+    return starts
+
+
+async def test_shared_pool_has_every_process_right_after_start(process_starts: list[str]) -> None:
+    """in_order=False map-style: one executor of num_workers processes, all started (and
+    watched) by start(), none later by a submit from the event loop. (CPython starts spawn and
+    forkserver processes alike, lazily; forkserver is the faster to test.)"""
+    pool = await start_pool(quick_dataset(), 3, "forkserver", per_worker=False)
+    try:
+        assert len(pool._procs) == 3
+        assert len(pool.sentinels()) == 3
+        assert executor_pids(pool) == pids_of(pool)
+        futs = [pool.submit(i, [2 * i, 2 * i + 1], 0, None) for i in range(12)]
+        used = {(await result(f)).pid for f in futs}
+        assert used <= pids_of(pool)
+        assert executor_pids(pool) == pids_of(pool)
+        assert process_starts == ["aioloader-start"] * 3  # none on the event loop's thread
+    finally:
+        await pool.shutdown(graceful=True)
+
+
+async def test_shared_pool_loader_starts_every_worker_off_the_loop(
+    process_starts: list[str],
+) -> None:
+    """Through the loader, under spawn: every worker is started by the start-up thread."""
+    async with AsyncDataLoader(
+        PidDataset(48),
+        batch_size=2,
+        num_workers=2,
+        in_order=False,
+        multiprocessing_context="spawn",
+        worker_nice=0,
+    ) as loader:
+        async with asyncio.timeout(60):
+            it = aiter(loader)
+            await anext(it)
+            assert len(worker_processes()) == 2
+            async for _ in it:
+                pass
+    assert process_starts == ["aioloader-start"] * 2
+
+
+async def test_replacement_after_a_crash_starts_every_process(process_starts: list[str]) -> None:
+    pool = await start_pool(quick_dataset(), 3, "forkserver", per_worker=False)
+    new: WorkerPool | None = None
+    try:
+        victim = pool._procs[1]
+        os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        report = await run_off_loop(pool.crash_report, name="test-diagnose")
+        assert report.pid == victim.pid
+        pool.hand_over_payload()
+        await pool.shutdown(graceful=False)
+        new = await WorkerPool.start(lambda: pool.spec, pool._ctx, pool._per_worker)
+        assert len(new._procs) == 3
+        assert executor_pids(new) == pids_of(new)
+        res = await result(new.submit(0, [0, 1], 0, None))
+        assert batch_of(res)[0].tolist() == [0, 1]
+        assert process_starts == ["aioloader-start"] * 6
+    finally:
+        await pool.shutdown(graceful=False)
+        if new is not None:
+            await new.shutdown(graceful=True)
+
+
+async def test_start_failing_half_way_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that fails after some processes exist kills them and closes the payload."""
+    calls = 0
+    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
+
+    def flaky(self: ProcessPoolExecutor) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # e.g. fork() failing with EAGAIN at the process limit
+            raise OSError(11, "Resource temporarily unavailable")
+        spawn(self)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", flaky)
+    specs: list[_worker.WorkerSpec] = []
+    ctx = multiprocessing.get_context("forkserver")
+
+    def make() -> _worker.WorkerSpec:
+        specs.append(make_spec(PidDataset(8), 3, ctx))
+        return specs[-1]
+
+    with pytest.raises(OSError, match="temporarily unavailable"):
+        async with asyncio.timeout(60):
+            await WorkerPool.start(make, ctx, False)
+    assert calls == 3
+    (spec,) = specs
+    assert spec.payload_file is not None and spec.payload_file[0].fd == -1
+    # no_leaks: neither the two processes started nor any thread or fd survives
+
+
+# ----------------------------------------------------------------------------- crash reports
+
+
+async def test_result_carries_epoch_worker_and_pid() -> None:
+    assert _worker.Result._fields == ("send_idx", "epoch", "worker_id", "pid", "data", "busy_s")
+    pool = await start_pool(PidDataset(8), 2, "fork", per_worker=True)
+    try:
+        res = await result(pool.submit(5, [2, 3], 7, 1))
+        assert (res.send_idx, res.epoch, res.worker_id) == (5, 7, 1)
+        assert res.pid == pool._workers[1][1].pid
+        assert batch_of(res)[:, 0].tolist() == [2, 3]
+        assert pool.busy_send_idx() == {}
+    finally:
+        await pool.shutdown(graceful=True)
+
+
+async def test_crash_report_names_the_worker_its_batch_and_epoch() -> None:
+    """A persistent pool's worker can die on a task of an earlier, abandoned epoch: the report
+    says which epoch the batch it held belonged to."""
+    pool = await start_pool(PidDataset(8, slow=3, delay=60), 2, "fork", per_worker=True)
+    try:
+        fut = pool.submit(4, [3], 2, 1)  # epoch 2, send_idx 4, on worker 1
+        await wait_until(lambda: pool.busy_send_idx() == {1: (2, 4)})
+        os.kill(pool._workers[1][1].pid, signal.SIGKILL)  # type: ignore[arg-type]
+        with pytest.raises(BrokenProcessPool):
+            await result(fut)
+        report: CrashReport = await run_off_loop(pool.crash_report, name="test-diagnose")
+        assert (report.worker_id, report.epoch, report.send_idx) == (1, 2, 4)
+        assert report.exitcode == -signal.SIGKILL
+        assert "worker 1" in report.describe() and "SIGKILL" in report.describe()
+    finally:
+        await pool.shutdown(graceful=False)
+
+
+async def test_shared_pool_crash_is_blamed_on_the_worker_that_died() -> None:
+    pool = await start_pool(PidDataset(8, slow=-2, delay=60), 3, "forkserver", per_worker=False)
+    try:
+        futs = [pool.submit(10 + i, [i], 1, None) for i in range(3)]
+        await wait_until(lambda: len(pool.busy_send_idx()) == 3)
+        busy = pool.busy_send_idx()
+        pid = pool._pid_slots[2]
+        os.kill(pid, signal.SIGKILL)
+        for f in futs:
+            with pytest.raises(BrokenProcessPool):
+                await result(f)
+        report = await run_off_loop(pool.crash_report, name="test-diagnose")
+        assert (report.worker_id, report.pid) == (2, pid)
+        assert (report.epoch, report.send_idx) == busy[2]
+    finally:
+        await pool.shutdown(graceful=False)
+
+
+# --------------------------------------------------------------------------------- stopping
+
+
+async def _busy_pool() -> WorkerPool:
+    """Two pinned fork workers, worker 0 busy for a minute, worker 1 idle."""
+    pool = await start_pool(PidDataset(8, slow=3, delay=60), 2, "fork", per_worker=True)
+    pool.submit(0, [3], 0, 0)
+    await wait_until(lambda: 0 in pool.busy_send_idx())
+    return pool
+
+
+def _all_gone(pool: WorkerPool) -> bool:
+    return all(p.exitcode is not None for p in pool._procs) and not any(
+        t.is_alive() for t in pool._manager_threads
+    )
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [("kill", "kill"), ("kill", "graceful"), ("graceful", "kill"), ("graceful", "graceful")],
+)
+async def test_stopping_twice_in_any_order_leaves_nothing(first: str, second: str) -> None:
+    pool = await start_pool(PidDataset(8), 2, "fork", per_worker=True)
+    steps = {"kill": pool._kill_sync, "graceful": lambda: pool._shutdown_sync(True)}
+    t0 = time.monotonic()
+    await run_off_loop(steps[first], name="test-stop-1")
+    assert _all_gone(pool)
+    await run_off_loop(steps[second], name="test-stop-2")
+    await pool.shutdown(graceful=True)  # a no-op now
+    assert _all_gone(pool)
+    assert time.monotonic() - t0 < _executor.SHUTDOWN_GRACE_S  # idle workers exit when asked
+
+
+@pytest.mark.parametrize("graceful", [False, True])
+async def test_two_threads_stopping_at_once_both_return_when_all_is_gone(graceful: bool) -> None:
+    """Two threads stop the same pool at once (aclose() racing a cleanup, or a garbage-collected
+    iterator): neither returns while a worker still runs, both return, and a kill does not wait
+    for the grace period a graceful shutdown gives a busy worker."""
+    pool = await _busy_pool()
+    t0 = time.monotonic()
+    seen: list[bool] = []
+    go = threading.Barrier(2)
+
+    def stop(kill: bool) -> None:
+        go.wait()
+        if kill:
+            pool._kill_sync()
+        else:
+            pool._shutdown_sync(graceful)
+        seen.append(_all_gone(pool))
+
+    threads = [threading.Thread(target=stop, args=(k,)) for k in (True, False)]
+    for t in threads:
+        t.start()
+    await run_off_loop(lambda: [t.join(30) for t in threads], name="test-join")
+    assert seen == [True, True]
+    assert time.monotonic() - t0 < _executor.SHUTDOWN_GRACE_S
+
+
+async def test_graceful_shutdown_of_a_broken_pool_does_not_wait_for_sigterm_survivors() -> None:
+    """A worker died and the survivor ignores SIGTERM (a handler installed by user code): the
+    pool is killed at once, not after the grace period (and on Python >= 3.12 the request to
+    shut down never blocks behind the manager thread, see procpool_check.py)."""
+    pool = await start_pool(
+        PidDataset(8, slow=-2, delay=60), 2, "fork", per_worker=False, worker_init_fn=ignore_sigterm
+    )
+    (ex,) = pool._executors
+    pool.submit(0, [0], 0, None)
+    pool.submit(1, [1], 0, None)
+    await wait_until(lambda: len(pool.busy_send_idx()) == 2)
+    os.kill(pool._pid_slots[0], signal.SIGKILL)
+    await wait_until(lambda: bool(ex._broken))  # type: ignore[attr-defined]
+    t0 = time.monotonic()
+    async with asyncio.timeout(30):
+        await pool.shutdown(graceful=True)
+    assert time.monotonic() - t0 < 2.0
+    assert _all_gone(pool)
+
+
+# ----------------------------------------------------------------- BaseException from user code
+
+
+def test_remote_error_records_system_exit_as_runtime_error() -> None:
+    from aioloader._loader import _raise_remote
+
+    try:
+        sys.exit(2)
+    except BaseException:
+        err = _worker.RemoteError.capture("in DataLoader worker process 1 while loading batch")
+    assert err.exc_type is not None and pickle.loads(err.exc_type) is RuntimeError
+    assert err.type_name == "SystemExit"
+    assert err.exc_msg.startswith("Caught SystemExit in DataLoader worker process 1 ")
+    assert "sys.exit(2)" in err.exc_msg  # the worker's traceback
+    assert "must not raise SystemExit" in err.exc_msg
+    with pytest.raises(RuntimeError, match="SystemExit") as info:
+        _raise_remote(err)
+    assert type(info.value) is RuntimeError
+
+
+@pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt, GeneratorExit])
+async def test_base_exception_in_getitem_is_a_runtime_error_and_the_epoch_goes_on(
+    exc: type[BaseException],
+) -> None:
+    loader = AsyncDataLoader(RaisesBuiltinAt(8, 3, exc), batch_size=1, num_workers=2)
+    async with loader, asyncio.timeout(60):
+        it = aiter(loader)
+        got = [int((await anext(it))[0, 0]) for _ in range(3)]
+        with pytest.raises(RuntimeError, match=f"Caught {exc.__name__} in DataLoader worker"):
+            await anext(it)
+        got += [int(b[0, 0]) async for b in it]
+        assert got == [0, 1, 2, 4, 5, 6, 7]
+        assert loader.stats().worker_restarts == 0  # the workers lived on
+
+
+@pytest.mark.parametrize("where", ["worker_init_fn", "collate_fn", "__iter__"])
+async def test_system_exit_in_init_collate_or_iter_is_a_runtime_error(where: str) -> None:
+    kwargs: dict[str, Any] = {}
+    dataset: Any = PidDataset(4)
+    if where == "worker_init_fn":
+        kwargs["worker_init_fn"] = exit_in_worker_init
+    elif where == "collate_fn":
+        kwargs["collate_fn"] = exit_in_collate
+    else:
+        dataset = ExitingStream()
+    loader = AsyncDataLoader(dataset, batch_size=2, num_workers=2, **kwargs)
+    async with loader, asyncio.timeout(60):
+        with pytest.raises(RuntimeError, match="Caught SystemExit in DataLoader worker process"):
+            async for _ in loader:
+                pass
+    await asyncio.sleep(0)  # the event loop is alive
