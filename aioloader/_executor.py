@@ -227,8 +227,10 @@ class WorkerPool:
             if dead or time.monotonic() > deadline:
                 break
             time.sleep(0.005)
-        # The executor SIGTERMs the survivors once it sees one die: prefer any other exit code.
-        dead.sort(key=lambda wp: wp[1].exitcode == -signal.SIGTERM)
+        # The executor SIGTERMs the survivors once it sees one die, and SIGKILLs those that
+        # outlive it (see _procpool._ManagerThread): prefer any other death.
+        killed = {pid for ex in self._executors for pid in ex.killed_pids}
+        dead.sort(key=lambda wp: (wp[1].pid in killed, wp[1].exitcode == -signal.SIGTERM))
         if not dead:
             return CrashReport(None, None, None, None, None)
         wid, proc = dead[0]

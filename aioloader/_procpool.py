@@ -42,16 +42,54 @@ __all__ = ("Executor", "kill_executors", "quiet_fork_warning")
 _logger = logging.getLogger(__name__)
 
 
-class _ManagerThread(_process._ExecutorManagerThread):
-    """The executor's manager thread with CPython gh-107219 fixed (Python < 3.12 lacks the fix).
+#: Seconds the workers that survive a crash get to end after the manager thread's SIGTERM,
+#: before it SIGKILLs them (Python >= 3.12, see _ManagerThread).
+SIGTERM_GRACE_S = 0.5
 
-    When a worker dies, ``terminate_broken`` fails every pending future with ``set_exception``,
-    which raises ``InvalidStateError`` for one that was cancelled while it waited (the batches of
-    an abandoned epoch). The thread then dies half-way: later futures are never resolved and the
-    call queue's feeder thread and pipes are never closed.
+
+class _ManagerThread(_process._ExecutorManagerThread):
+    """The executor's manager thread, with two defects fixed.
+
+    * CPython gh-107219 (Python < 3.12 lacks the fix): when a worker dies, ``terminate_broken``
+      fails every pending future with ``set_exception``, which raises ``InvalidStateError`` for
+      one that was cancelled while it waited (the batches of an abandoned epoch). The thread then
+      dies half-way: later futures are never resolved and the call queue's feeder thread and
+      pipes are never closed.
+    * Python >= 3.12 runs all of ``terminate_broken`` under the executor's ``_shutdown_lock``:
+      it SIGTERMs the surviving workers and joins them. One that ignores SIGTERM (user code may
+      install a handler) is never joined, so the lock is never released, and ``submit()`` on the
+      event loop (a batch queued before the loop noticed the crash) blocks it for good: nothing
+      is left running to kill that worker. Survivors get :data:`SIGTERM_GRACE_S`, then SIGKILL;
+      their pids go to the executor's ``killed_pids`` so a crash report does not blame them.
     """
 
+    def _join_executor_internals(self, broken: bool = False) -> None:
+        # Python >= 3.12 only (3.11 joins without holding the lock). Called by _terminate_broken
+        # after the SIGTERMs, before it joins every process.
+        if broken:
+            self._kill_sigterm_survivors()
+        super()._join_executor_internals(broken)  # type: ignore[misc]
+
+    def _kill_sigterm_survivors(self) -> None:
+        executor = self.executor_reference()
+        grace = getattr(executor, "_sigterm_grace", SIGTERM_GRACE_S)
+        killed: set[int] = getattr(executor, "killed_pids", set())
+        del executor  # no strong reference held while waiting: it may be collected meanwhile
+        if grace is None:
+            return
+        deadline = time.monotonic() + grace
+        procs = list(self.processes.values())
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.exitcode is None and p.pid is not None:
+                killed.add(p.pid)
+                p.kill()
+
     def terminate_broken(self, cause: Any) -> None:
+        if sys.version_info >= (3, 12):  # gh-107219 is fixed there
+            super().terminate_broken(cause)
+            return
         while True:
             # Drop the futures that are already done: nobody waits for them.
             for work_id, item in list(self.pending_work_items.items()):
@@ -70,7 +108,17 @@ class Executor(ProcessPoolExecutor):
     Call :meth:`start_workers` right after construction, before the executor is shared with any
     other thread; afterwards it never starts a process again (a dead worker breaks the pool, and
     the owner replaces the whole pool).
+
+    ``sigterm_grace``: see :class:`_ManagerThread`; None keeps CPython's wait without end.
     """
+
+    def __init__(
+        self, *args: Any, sigterm_grace: float | None = SIGTERM_GRACE_S, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._sigterm_grace = sigterm_grace
+        #: Workers the manager thread SIGKILLed because they outlived its SIGTERM.
+        self.killed_pids: set[int] = set()
 
     def start_workers(self) -> None:
         """Start all ``max_workers`` processes on this thread, then the manager thread.
@@ -92,9 +140,10 @@ class Executor(ProcessPoolExecutor):
     def _start_executor_manager_thread(self) -> None:
         super()._start_executor_manager_thread()
         thread: Any = self._executor_manager_thread
-        if sys.version_info < (3, 12) and type(thread) is _process._ExecutorManagerThread:
+        if type(thread) is _process._ExecutorManagerThread:
             # Swapped right after the thread starts and before any task was submitted, so
-            # before a cancelled task can be pending when a worker dies.
+            # before a cancelled task can be pending when a worker dies, and before a worker
+            # with a SIGTERM handler of user code can be running.
             thread.__class__ = _ManagerThread
 
     def processes(self) -> list[BaseProcess]:

@@ -80,10 +80,11 @@ def sigkill_all(procs: list[Any]) -> None:
             os.kill(p.pid, signal.SIGKILL)
 
 
-def broken_pool(pp: ModuleType, ctx: Any) -> tuple[Any, list[Any]]:
+def broken_pool(pp: ModuleType, ctx: Any, grace: float | None) -> tuple[Any, list[Any]]:
     """A two-worker pool whose manager thread is terminating it after one worker died, with the
-    survivor ignoring SIGTERM: on Python >= 3.12 the thread now holds the shutdown lock for good."""
-    ex = pp.Executor(2, mp_context=ctx, initializer=ignore_sigterm)
+    survivor ignoring SIGTERM. On Python >= 3.12 the thread now holds the shutdown lock, for good
+    with ``grace`` None (CPython's own behaviour), else until it SIGKILLs the survivor."""
+    ex = pp.Executor(2, mp_context=ctx, initializer=ignore_sigterm, sigterm_grace=grace)
     ex.start_workers()
     procs = ex.processes()
     # Every worker initialised (SIGTERM handler in place) before the crash.
@@ -96,8 +97,9 @@ def broken_pool(pp: ModuleType, ctx: Any) -> tuple[Any, list[Any]]:
     os.kill(procs[0].pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while not ex._broken and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # the manager thread is inside terminate_broken now
+        time.sleep(0.001)
+    if grace is None:
+        time.sleep(0.2)  # the manager thread is joining the survivor now
     return ex, procs
 
 
@@ -105,8 +107,9 @@ def broken_pool(pp: ModuleType, ctx: Any) -> tuple[Any, list[Any]]:
 
 
 def kill_after_crash(pp: ModuleType, old_order: bool) -> str:
+    """Stopping a pool whose manager thread holds the lock without end (as CPython's does)."""
     ctx = multiprocessing.get_context("fork")
-    ex, procs = broken_pool(pp, ctx)
+    ex, procs = broken_pool(pp, ctx, None)
     manager = ex._executor_manager_thread
     queues = [ex._result_queue]
 
@@ -132,7 +135,7 @@ def kill_after_crash(pp: ModuleType, old_order: bool) -> str:
 def graceful_after_crash(pp: ModuleType) -> str:
     """request_shutdown() on a pool being torn down gives up at once instead of blocking."""
     ctx = multiprocessing.get_context("fork")
-    ex, procs = broken_pool(pp, ctx)
+    ex, procs = broken_pool(pp, ctx, None)
     manager = ex._executor_manager_thread
     t0 = time.perf_counter()
     done, asked = within(HANG_S, lambda: ex.request_shutdown(time.monotonic() + 30))
@@ -149,6 +152,31 @@ def graceful_after_crash(pp: ModuleType) -> str:
     return f"ok: gave up after {took:.2f}s"
 
 
+def submit_after_crash(pp: ModuleType) -> str:
+    """A submit racing the manager thread's teardown (the event loop's scheduler, before it saw
+    the crash) fails with BrokenProcessPool instead of waiting without end for the lock."""
+    ctx = multiprocessing.get_context("fork")
+    ex, procs = broken_pool(pp, ctx, pp.SIGTERM_GRACE_S)
+    manager = ex._executor_manager_thread
+    t0 = time.perf_counter()
+    done, err = within(HANG_S, lambda: ex.submit(nap, 0))
+    took = time.perf_counter() - t0
+    if not done:
+        sigkill_all(procs)
+        within(HANG_S, lambda: manager.join())
+        return f"HANG: submit blocked for more than {HANG_S:.0f} s"
+    manager.join(HANG_S)
+    killed = set(ex.killed_pids)
+    pp.kill_executors([ex], procs, [manager], [ex._result_queue], 5.0)
+    if type(err).__name__ != "BrokenProcessPool":
+        return f"FAIL: submit gave {err!r}"
+    # Only >= 3.12 holds the lock while joining; there the survivor is SIGKILLed and named.
+    expect = {procs[1].pid} if sys.version_info >= (3, 12) else set()
+    if killed != expect or (expect and procs[1].exitcode != -9):
+        return f"FAIL: killed_pids {killed}, expected {expect}; exit codes {procs[1].exitcode}"
+    return f"ok: BrokenProcessPool after {took:.2f}s; SIGKILLed by the manager: {len(killed)}"
+
+
 def graceful_idle(pp: ModuleType) -> str:
     """An idle healthy pool: the workers are asked to exit and exit by themselves."""
     ex = pp.Executor(2, mp_context=multiprocessing.get_context("spawn"))
@@ -160,7 +188,7 @@ def graceful_idle(pp: ModuleType) -> str:
     if not ex.request_shutdown(time.monotonic() + 5):
         return "FAIL: request_shutdown refused a healthy pool"
     for p in procs:
-        p.join(10)
+        p.join(30)
     codes = [p.exitcode for p in procs]
     pp.kill_executors([ex], procs, [manager], queues, 5.0)
     if codes != [0, 0]:
@@ -241,6 +269,7 @@ def main(argv: list[str]) -> int:
     scenarios: dict[str, Callable[[], str]] = {
         "kill_after_crash": lambda: kill_after_crash(pp, old_order),
         "graceful_after_crash": lambda: graceful_after_crash(pp),
+        "submit_after_crash": lambda: submit_after_crash(pp),
         "graceful_idle": lambda: graceful_idle(pp),
         "start_all_spawn": lambda: start_all(pp, "spawn"),
         "start_all_forkserver": lambda: start_all(pp, "forkserver"),

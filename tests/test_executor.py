@@ -197,7 +197,7 @@ def test_executor_internals_hold_under_every_python(exe: str) -> None:
     thread that tears down a broken pool; the fork warning is silenced without leaking a filter."""
     proc = _run_check(exe)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": ok") == 7, proc.stdout
+    assert proc.stdout.count(": ok") == 8, proc.stdout
 
 
 def test_the_old_kill_order_hangs_on_python_3_12() -> None:
@@ -501,3 +501,20 @@ async def test_system_exit_in_init_collate_or_iter_is_a_runtime_error(where: str
             async for _ in loader:
                 pass
     await asyncio.sleep(0)  # the event loop is alive
+
+
+async def test_crash_report_does_not_blame_workers_the_manager_thread_killed() -> None:
+    """On Python >= 3.12 the executor's manager thread SIGKILLs the workers that outlive its
+    SIGTERM after a crash (see _procpool._ManagerThread); the report names the first death."""
+    pool = await start_pool(PidDataset(8), 2, "fork", per_worker=False)
+    try:
+        (ex,) = pool._executors
+        survivor, crashed = pool._procs
+        ex.killed_pids.add(survivor.pid)  # type: ignore[arg-type]
+        for p in (survivor, crashed):
+            os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            p.join(10)
+        report = await run_off_loop(pool.crash_report, name="test-diagnose")
+        assert report.pid == crashed.pid
+    finally:
+        await pool.shutdown(graceful=False)
