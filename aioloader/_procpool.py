@@ -13,13 +13,18 @@ What it adds to the executor:
   manager thread when it tears down a broken pool (Python >= 3.12 holds the executor's lock
   while it joins every worker, forever for one that ignores SIGTERM).
 * :func:`kill_executors`: SIGKILL first, then shut the executors down (same reason).
+* :class:`_ManagerThread`: the manager thread never holds that lock for long (a survivor that
+  ignores SIGTERM is SIGKILLed), so ``submit()`` on the event loop cannot block behind it; and
+  CPython gh-107219 fixed on Python < 3.12.
 * :func:`quiet_fork_warning`: silence Python 3.12's multi-threaded ``fork()`` warning around our
   own process starts, without the thread-unsafe ``warnings.catch_warnings``.
 
 Private executor attributes used (present in CPython 3.11, 3.12 and 3.13): ``_processes``,
 ``_max_workers``, ``_spawn_process``, ``_start_executor_manager_thread``,
 ``_executor_manager_thread``, ``_executor_manager_thread_wakeup``, ``_shutdown_lock``,
-``_shutdown_thread``, ``_cancel_pending_futures``, ``_broken``, ``_result_queue``.
+``_shutdown_thread``, ``_cancel_pending_futures``, ``_broken``, ``_result_queue``; and of its
+manager thread: ``terminate_broken``, ``_join_executor_internals`` (>= 3.12), ``processes``,
+``pending_work_items``, ``executor_reference``.
 """
 
 from __future__ import annotations
