@@ -219,12 +219,18 @@ class WorkerPool:
         """Name the worker that died (after a ``BrokenProcessPool``); blocks up to ``settle_s``.
 
         The executor reports a death as soon as the worker's pipe closes, which can be a moment
-        before the kernel makes its exit status available: wait for it briefly.
+        before the kernel makes its exit status available: wait for it briefly. A process counts
+        as ended when its sentinel is readable, not when ``exitcode`` is set: the executor's
+        manager thread reaps workers too, and while it does ``exitcode`` reads None for a moment
+        (the loser of two concurrent ``waitpid`` calls gets ECHILD), which would leave the
+        first death out and blame a later one.
         """
         deadline = time.monotonic() + settle_s
         while True:
-            dead = [(wid, p) for wid, p in self._workers if p.exitcode is not None]
-            if dead or time.monotonic() > deadline:
+            ended = set(multiprocessing.connection.wait(self.sentinels(), 0))
+            dead = [(wid, p) for wid, p in self._workers if p.sentinel in ended]
+            settled = all(p.exitcode is not None for _, p in dead)
+            if (dead and settled) or time.monotonic() > deadline:
                 break
             time.sleep(0.005)
         # The executor SIGTERMs the survivors once it sees one die, and SIGKILLs those that

@@ -208,9 +208,15 @@ def kill_executors(
         if p.exitcode is None:
             with contextlib.suppress(Exception):  # already reaped, or never started
                 p.kill()
+    deadline = time.monotonic() + timeout
     for p in procs:
         with contextlib.suppress(Exception):
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
+        # join() returns early, exit status unknown, when the manager thread reaps the process at
+        # the same moment (its waitpid() wins, ours gets ECHILD); that thread stores the status
+        # right after. Waiting for it means every process is gone when this returns.
+        while p.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.001)
     # A worker killed in the middle of writing a result larger than the pipe buffer leaves the
     # manager thread blocked reading the rest, forever: this process holds the queue's write end
     # too, so no EOF comes. Closing our write end once every worker is gone delivers the EOF; the

@@ -187,8 +187,11 @@ def graceful_idle(pp: ModuleType) -> str:
     queues = [ex._result_queue]
     if not ex.request_shutdown(time.monotonic() + 5):
         return "FAIL: request_shutdown refused a healthy pool"
-    for p in procs:
-        p.join(30)
+    deadline = time.monotonic() + 30
+    # Polled: the manager thread reaps them too, and exitcode reads None for a moment in the
+    # thread whose waitpid() lost that race (ECHILD).
+    while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.01)
     codes = [p.exitcode for p in procs]
     pp.kill_executors([ex], procs, [manager], queues, 5.0)
     if codes != [0, 0]:

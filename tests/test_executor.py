@@ -504,17 +504,22 @@ async def test_system_exit_in_init_collate_or_iter_is_a_runtime_error(where: str
 
 
 async def test_crash_report_does_not_blame_workers_the_manager_thread_killed() -> None:
-    """On Python >= 3.12 the executor's manager thread SIGKILLs the workers that outlive its
-    SIGTERM after a crash (see _procpool._ManagerThread); the report names the first death."""
-    pool = await start_pool(PidDataset(8), 2, "fork", per_worker=False)
+    """A worker dies while another ignores SIGTERM. On Python >= 3.12 the executor's manager
+    thread SIGKILLs that one after a moment (see _procpool._ManagerThread): the report still
+    names the first death, not the other SIGKILL. (On 3.11 the survivor lives until shutdown.)"""
+    pool = await start_pool(
+        PidDataset(8), 2, "fork", per_worker=False, worker_init_fn=ignore_sigterm
+    )
     try:
         (ex,) = pool._executors
-        survivor, crashed = pool._procs
-        ex.killed_pids.add(survivor.pid)  # type: ignore[arg-type]
-        for p in (survivor, crashed):
-            os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            p.join(10)
+        await result(pool.submit(0, [0], 0, None))  # the SIGTERM handlers are in place
+        await result(pool.submit(1, [1], 0, None))
+        survivor, crashed = pool._procs  # the survivor comes first: a plain sort would pick it
+        os.kill(crashed.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        if sys.version_info >= (3, 12):
+            await wait_until(lambda: survivor.pid in ex.killed_pids)
+            await wait_until(lambda: survivor.exitcode is not None)
         report = await run_off_loop(pool.crash_report, name="test-diagnose")
-        assert report.pid == crashed.pid
+        assert (report.pid, report.exitcode) == (crashed.pid, -signal.SIGKILL)
     finally:
         await pool.shutdown(graceful=False)
