@@ -167,6 +167,16 @@ class WorkerPool:
 
         return await run_off_loop(start_sync, name="start", on_abandon=lambda p: p._kill_sync())
 
+    async def replace(self) -> WorkerPool:
+        """Kill these workers and start an identical set (after a crash); the payload moves over."""
+        self.hand_over_payload()
+        await self.shutdown(graceful=False)
+        return await WorkerPool.start(lambda: self.spec, self._ctx, self._per_worker)
+
+    def kill_sync(self) -> None:
+        """Kill every worker and join the executors' threads; blocks. Safe to call twice."""
+        self._kill_sync()
+
     def hand_over_payload(self) -> None:
         """A replacement pool now owns the payload file: do not close it at shutdown."""
         self._owns_payload = False
