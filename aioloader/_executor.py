@@ -98,12 +98,21 @@ class CrashReport:
     """Which worker died, with what exit code, holding which batch (any may be unknown)."""
 
     def __init__(
-        self, worker_id: int | None, pid: int | None, exitcode: int | None, send_idx: int | None
+        self,
+        worker_id: int | None,
+        pid: int | None,
+        exitcode: int | None,
+        send_idx: int | None,
+        epoch: int | None = None,
+        started: bool = True,
     ):
         self.worker_id = worker_id
         self.pid = pid
         self.exitcode = exitcode
         self.send_idx = send_idx
+        self.epoch = epoch
+        #: False when the worker died before its initializer ran (a set-up error).
+        self.started = started
 
     def describe(self) -> str:
         who = "a worker" if self.worker_id is None else f"worker {self.worker_id}"
@@ -253,11 +262,13 @@ class WorkerPool:
         if wid < 0 and proc.pid is not None:
             wid = next((w for w in range(self.num_workers) if self._pid_slots[w] == proc.pid), -1)
         send_idx = self._slots[wid] if wid >= 0 else -1
+        started = wid >= 0 and self._pid_slots[wid] == proc.pid
         return CrashReport(
             wid if wid >= 0 else None,
             proc.pid,
             proc.exitcode,
             send_idx if send_idx >= 0 else None,
+            started=started,
         )
 
     def busy_send_idx(self) -> dict[int, int]:

@@ -89,6 +89,7 @@ class Result(NamedTuple):
     """What a task returns: ``data`` is :func:`~aioloader._transport.dumps_result` bytes, or not."""
 
     send_idx: int
+    epoch: int
     worker_id: int
     pid: int
     #: bytes | RemoteError | Exhausted from a worker; the main process swaps in the decoded batch.
@@ -241,7 +242,7 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
     start = time.perf_counter()
     wid = _state.worker_id
     if _state.init_error is not None:
-        return Result(send_idx, wid, os.getpid(), _state.init_error, 0.0)
+        return Result(send_idx, epoch, wid, os.getpid(), _state.init_error, 0.0)
     spec = _state.spec
     assert spec is not None
     where = f"in DataLoader worker process {wid} while loading batch send_idx={send_idx}"
@@ -265,7 +266,7 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
                 batch = _state.fetcher.fetch(indices)
             except StopIteration:
                 return Result(
-                    send_idx, wid, os.getpid(), Exhausted(wid), time.perf_counter() - start
+                    send_idx, epoch, wid, os.getpid(), Exhausted(wid), time.perf_counter() - start
                 )
         else:
             batch = _state.fetcher.fetch(indices)
@@ -282,4 +283,4 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
     finally:
         if slots is not None:
             slots[wid] = -1
-    return Result(send_idx, wid, os.getpid(), data, time.perf_counter() - start)
+    return Result(send_idx, epoch, wid, os.getpid(), data, time.perf_counter() - start)
