@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from . import _transport, _worker
 from ._backend import Backend, Direct
 from ._consumer import Consumer, Failure
+from ._errors import EpochEndedError
 from ._recovery import Recovery
 from ._reorder import ReorderBuffer
 from ._scheduler import Flight, run_scheduler
@@ -104,6 +105,8 @@ class Epoch:
         # consumer ended it itself, and then gets StopAsyncIteration).
         self.end_reason: BaseException | None = None
         self._cleanup_task: asyncio.Task[None] | None = None
+        self._guard_task: asyncio.Task[None] | None = None
+        self._ended = asyncio.Event()
 
     def __repr__(self) -> str:
         return f"<Epoch {self.epoch_no} {self.phase.value}>"
@@ -157,6 +160,7 @@ class Epoch:
         self.phase = phase
         self.end_reason = reason if phase is Phase.ENDED else None
         self.resumed.set()  # a scheduler waiting for a recovery wakes and sees the end
+        self._ended.set()
         self._unwatch()
         if reason is not None:
             self.reorder.fail(reason)
@@ -176,6 +180,27 @@ class Epoch:
         )
         self.loader._track_cleanup(self._cleanup_task)
         return True
+
+    async def _guard(self) -> None:
+        """Ends the epoch if the event loop shuts down under it, and finishes the cleanup.
+
+        ``asyncio.run`` cancels every task when its main coroutine returns, an unclosed loader's
+        epochs included, and then closes the loop: without this the workers and the device
+        thread would outlive it. This task is among those it waits for.
+        """
+        try:
+            await self._ended.wait()
+            return
+        except asyncio.CancelledError:
+            self.end(
+                Phase.ENDED,
+                EpochEndedError(f"epoch {self.epoch_no} ended because its event loop shut down"),
+            )
+            cleanup = self._cleanup_task
+            while cleanup is not None and not cleanup.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([cleanup])
+            raise
 
     def fail(self, exc: BaseException) -> None:
         """A fatal error: the consumer raises ``exc`` next; the workers go at once."""
@@ -244,6 +269,9 @@ class Epoch:
             self.started_at = time.perf_counter()
             self.loader._note_first_request(self.started_at)
             self._to(Phase.STARTING)
+            self._guard_task = self.loop.create_task(
+                self._guard(), name=f"aioloader-guard:{self.epoch_no}"
+            )
             self._start_task = self.loop.create_task(
                 self._start(), name=f"aioloader-start:{self.epoch_no}"
             )
