@@ -179,6 +179,13 @@ class Consumer:
                 # here (aclose() does).
                 await ep.wait_cleanup()
             raise
+        except Exception:
+            if ep.terminal:
+                # The epoch failed (workers that could not be replaced): this was its fatal
+                # error, raised once; what is left of the epoch is its end.
+                self._done = True
+                await ep.wait_cleanup()
+            raise  # otherwise one batch's error: the epoch goes on, as in torch
         finally:
             loader._wait_s += time.perf_counter() - t0
         if self._yielded == 0 and ep.started_at is not None:
