@@ -114,6 +114,11 @@ class Consumer:
         if self._stage is not None:
             self._ready.put_nowait(Failure(reason) if reason is not None else _END)
 
+    def close_nowait(self) -> None:
+        """Stop the device thread without waiting (no running loop to wait on)."""
+        if self._stage is not None:
+            self._stage.close_nowait()
+
     async def aclose(self) -> None:
         """Stop the device stage and drop the batches it prepared. Called by the cleanup."""
         if self._feed_task is not None:

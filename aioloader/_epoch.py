@@ -143,17 +143,13 @@ class Epoch:
         if self.terminal:
             return False
         loop = self.loop
-        if (
-            loop is not None
-            and self.loop_thread is not None
-            and threading.get_ident() != self.loop_thread
-        ):
+        if loop is not None and threading.get_ident() != self.loop_thread:
             # Another thread (the garbage collector running there): the loop owns this epoch.
-            if not loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # closed meanwhile
-                    loop.call_soon_threadsafe(self.end, phase, reason)
-                    return True
-            self._end_without_loop(phase)
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(self.end, phase, reason)
+                return True
+        if loop is not None and not loop.is_running():
+            self._end_without_loop(phase)  # e.g. collected after asyncio.run() returned
             return True
         _logger.debug("epoch %d: %s -> %s (%r)", self.epoch_no, self.phase.value, phase, reason)
         self._ended_from = self.phase
@@ -172,6 +168,7 @@ class Epoch:
         for flight in self.in_flight.values():
             if flight.future is not None:
                 flight.future.cancel()
+        self._decide_backend_fate()
         self.loader._epoch_ended(self)
         if loop is None:
             return True  # never started: nothing to release
@@ -206,9 +203,31 @@ class Epoch:
         """A fatal error: the consumer raises ``exc`` next; the workers go at once."""
         self.end(Phase.FAILED, exc)
 
+    def _decide_backend_fate(self) -> None:
+        """Decide, once and at once, whether a persistent pool outlives this epoch.
+
+        It is kept only if the epoch finished, or was abandoned while RUNNING; after a failure
+        or an end during recovery it is detached from the loader now (so a new epoch cannot pick
+        it up while it is being torn down) and the cleanup shuts it down like the epoch's own.
+        """
+        if self.backend is None or self.owns_backend:
+            return
+        healthy = self.phase is Phase.FINISHED or (
+            self.phase is Phase.ENDED and self._ended_from is Phase.RUNNING
+        )
+        if healthy:
+            self.loader._persistent_pool_kept(busy=bool(self.in_flight))
+            self.backend = None  # the loader keeps it
+        else:
+            self.loader._persistent_pool_retired(self.backend)
+            self.owns_backend = True
+
     def _end_without_loop(self, phase: Phase) -> None:
-        """The loop is closed: release what can be released synchronously."""
+        """The loop is not running (closed, or gone): release what can be released now."""
+        self._ended_from = self.phase
         self.phase = phase
+        self._decide_backend_fate()
+        self.consumer.close_nowait()
         backend, self.backend = self.backend, None
         if backend is not None and self.owns_backend:
             backend.kill_sync()
@@ -237,19 +256,12 @@ class Epoch:
             raise cancelled
 
     async def _release_backend(self) -> None:
-        """Decide the workers' fate, once: shut down, keep (persistent and healthy) or retire."""
+        """Shut down the workers this epoch owns (its own, or a retired persistent pool)."""
         backend, owned = self.backend, self.owns_backend
         self.backend, self.owns_backend = None, False
-        if backend is None:
-            return
-        busy = bool(self.in_flight)
-        if owned:
-            await backend.shutdown(graceful=self.phase is Phase.FINISHED and not busy)
-            return
-        healthy = self.phase is Phase.FINISHED or (
-            self.phase is Phase.ENDED and self._ended_from is Phase.RUNNING
-        )
-        await self.loader._persistent_epoch_done(backend, healthy=healthy, busy=busy)
+        if backend is not None and owned:
+            graceful = self.phase is Phase.FINISHED and not self.in_flight
+            await backend.shutdown(graceful=graceful)
 
     async def wait_cleanup(self) -> None:
         if self._cleanup_task is not None:

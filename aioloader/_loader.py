@@ -452,23 +452,21 @@ class AsyncDataLoader(Generic[_T_co]):
             assert isinstance(new, WorkerPool)
             self._persistent_pool = new
 
-    async def _persistent_epoch_done(self, pool: Backend, *, healthy: bool, busy: bool) -> None:
-        """The one place that decides a persistent pool's fate when an epoch that used it ends.
+    def _persistent_pool_kept(self, *, busy: bool) -> None:
+        """An epoch ended with the persistent pool healthy: it serves the next epoch.
 
-        Healthy (the epoch finished, or was abandoned while running): keep it for the next epoch;
-        ``busy`` notes that an abandoned epoch's batches still run on it. Otherwise (a crash
-        that was not recovered, an epoch abandoned mid-recovery, a timeout): retire it, so the
-        next epoch starts fresh workers instead of inheriting a broken pool.
+        ``busy``: an abandoned epoch's batches still run on it (aclose() then kills rather than
+        waits for them).
         """
-        if pool is not self._persistent_pool:
-            await pool.shutdown(graceful=False)  # already replaced or closed: not ours to keep
-            return
-        if healthy:
-            self._persistent_pool_busy = self._persistent_pool_busy or busy
-            return
-        self._persistent_pool = None
-        self._persistent_seed = None
-        await pool.shutdown(graceful=False)
+        self._persistent_pool_busy = self._persistent_pool_busy or busy
+
+    def _persistent_pool_retired(self, pool: Backend) -> None:
+        """An epoch ended with the persistent pool broken (a crash that was not recovered, an end
+        during recovery, a timeout): the next epoch starts fresh workers instead of inheriting
+        it. The epoch's cleanup shuts it down."""
+        if pool is self._persistent_pool:
+            self._persistent_pool = None
+            self._persistent_pool_busy = False
 
     def _one_shot_sampler(self) -> bool:
         return any(
