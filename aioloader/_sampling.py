@@ -131,11 +131,20 @@ class _StockIndices:
         self._step: _Draw | None = None  # taken from _draws, its block not yet received
         self._kept: _Outcome | None = None  # that block, drawn for a caller that was cancelled
         self._block: torch.Tensor | range = range(0)
+        self._size = 0
         self._pos = 0  # next index of _block to convert
         self._end = 0
         self._ints: list[int] = []  # converted, not yet taken from position _i on
         self._i = 0
         self._exhausted = False
+
+    def take_buffered(self, k: int) -> list[int] | None:
+        """The next ``k`` indices if they are already converted (the common case), else None."""
+        if len(self._ints) - self._i < k:
+            return None
+        out = self._ints[self._i : self._i + k]
+        self._i += k
+        return out
 
     async def take(self, k: int) -> list[int]:
         """The next ``k`` indices; fewer only when the sequence ends (none after its end)."""
@@ -148,14 +157,19 @@ class _StockIndices:
         return out
 
     async def _fill(self) -> None:
-        if self._pos < self._end:
+        """Convert the next piece of the current block, drawing the next block first if needed."""
+        if self._pos >= self._end:
+            await self._next_block()
+        if self._pos < self._end:  # not after the end, nor for an empty last block
             stop = min(self._end, self._pos + _CONVERT)
-            piece = self._block[self._pos : stop]
+            whole = self._pos == 0 and stop == self._size  # small blocks: skip the slice
+            piece = self._block if whole else self._block[self._pos : stop]
             new = piece.tolist() if isinstance(piece, torch.Tensor) else list(piece)
             self._ints = self._ints[self._i :] + new
             self._i = 0
             self._pos = stop
-            return
+
+    async def _next_block(self) -> None:
         if self._step is None:
             if self._draws is None:
                 self._draws = self._start()
@@ -181,8 +195,10 @@ class _StockIndices:
         if not ok:
             self._exhausted = True
             raise block
+        # numel(), not len(): Tensor.__len__ is a Python wrapper, slow for 32-index blocks.
+        self._size = block.numel() if isinstance(block, torch.Tensor) else len(block)
         self._block, self._pos = block, 0
-        self._end = len(block) if step.limit is None else min(step.limit, len(block))
+        self._end = self._size if step.limit is None else min(step.limit, self._size)
 
     def _keep(self, outcome: _Outcome) -> None:
         self._kept = outcome
@@ -214,7 +230,7 @@ class IndexStream:
         else:
             draws = _stock_draws(index_sampler)
         self._stock = _StockIndices(draws) if draws is not None else None
-        self._batch_size = 0
+        self._batch_size = 1  # a BatchSampler's is read when the first batch is asked for
         self._drop_last = False
         # Any other sampler: its iterator after the first pull, which runs on a thread.
         self._it: Iterator[Any] | None = None
@@ -230,17 +246,24 @@ class IndexStream:
         """The next index batch; ``StopAsyncIteration`` at the end of the sampler."""
         if self._done:
             raise StopAsyncIteration
+        stock = self._stock
+        if stock is not None and self._sent:
+            # Most pulls of a stock sampler: already converted, no await (and never empty).
+            got = stock.take_buffered(self._batch_size)
+            if got is not None:
+                self._sent += 1
+                return got if self._batch is not None else got[0]
         try:
-            if self._stock is None:
+            if stock is None:
                 indices = await self._next_generic()
             else:
-                indices = await self._next_stock(self._stock)
+                indices = await self._next_stock(stock)
         except StopAsyncIteration:
             self._done = True
             raise
         except Exception:
             # A stock sampler's generator is finished once it raised; so is the replay of it.
-            if self._stock is not None:
+            if stock is not None:
                 self._done = True
             raise
         pos = self._sent
