@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -155,10 +156,34 @@ async def test_random_sampler_replayed_exactly(
                 assert await _stream_trace(make, rng_seed=seed) == expected, (kwargs, n, seed)
 
 
+async def test_random_sampler_replayed_exactly_fuzzed() -> None:
+    """Sizes, batch sizes and sample counts off the round numbers above."""
+    rnd = random.Random(0)
+    for case in range(60):
+        n = rnd.randint(1, 300)
+        batch_size = rnd.choice([None, rnd.randint(1, 70)])
+        drop_last = batch_size is not None and rnd.random() < 0.5
+        kwargs = {
+            "replacement": rnd.random() < 0.4,
+            "num_samples": rnd.choice([None, rnd.randint(1, 700)]),
+        }
+        seed = rnd.choice([None, rnd.randint(0, 2**31)])
+        make = _random(n, seed, batch_size, drop_last, **kwargs)
+        expected = _torch_trace(make, rng_seed=case)
+        got = await _stream_trace(make, rng_seed=case)
+        assert got == expected, (n, batch_size, drop_last, kwargs, seed)
+
+
 @pytest.mark.parametrize("seeded", [False, True], ids=["global-rng", "generator"])
 @pytest.mark.parametrize(
     ("batch_size", "drop_last", "num_samples"),
-    [(4096, False, None), (4096, True, 2 * _BIG + 5), (5000, False, 2 * _BIG), (None, False, 3)],
+    [
+        (4096, False, None),
+        (4096, True, 2 * _BIG + 5),
+        (5000, False, 2 * _BIG),
+        (20_000, False, 3 * _BIG),  # batches larger than one conversion step
+        (None, False, 3),
+    ],
 )
 async def test_large_permutations_drawn_off_the_loop_replayed_exactly(
     batch_size: int | None, drop_last: bool, num_samples: int | None, seeded: bool
