@@ -152,6 +152,11 @@ class _StockIndices:
             await self._fill()
             if k > _CONVERT:  # one huge batch: let the loop run between conversions
                 await asyncio.sleep(0)
+        if self._i == 0 and k > _CONVERT:  # hand the buffer over rather than copy k entries
+            out = self._ints
+            self._ints = out[k:]
+            del out[k:]
+            return out
         out = self._ints[self._i : self._i + k]
         self._i += len(out)
         return out
@@ -165,8 +170,10 @@ class _StockIndices:
             whole = self._pos == 0 and stop == self._size  # small blocks: skip the slice
             piece = self._block if whole else self._block[self._pos : stop]
             new = piece.tolist() if isinstance(piece, torch.Tensor) else list(piece)
-            self._ints = self._ints[self._i :] + new
-            self._i = 0
+            if self._i:  # drop what was taken; in place, so a huge batch grows in O(k)
+                del self._ints[: self._i]
+                self._i = 0
+            self._ints.extend(new)
             self._pos = stop
 
     async def _next_block(self) -> None:
