@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ._errors import (
     AioLoaderError,
+    EpochEndedError,
     LoaderClosedError,
     LoaderTimeoutError,
     PoisonBatchError,
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AioLoaderError",
     "AsyncDataLoader",
+    "EpochEndedError",
     "LoaderClosedError",
     "LoaderStats",
     "LoaderTimeoutError",

@@ -248,6 +248,16 @@ class DeviceStage:
         if self._join is not None:
             await asyncio.shield(self._join)
 
+    def close_nowait(self) -> None:
+        """Stop the device thread without waiting for it (no event loop left to wait on).
+
+        The thread finishes the batch in hand and exits; queued batches are dropped.
+        """
+        self._state = _State.CLOSED
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
     def _init_thread(self) -> None:
         """Runs in: the device thread, once, before any batch."""
         try:

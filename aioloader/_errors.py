@@ -6,6 +6,7 @@ as torch's DataLoader does. The loader's own failures use this hierarchy::
 
     AioLoaderError
     ├── LoaderClosedError       (also RuntimeError) iterated after aclose()
+    ├── EpochEndedError         (also RuntimeError) an epoch ended early is iterated again
     ├── WorkerCrashedError      (also RuntimeError) a worker process died
     │   └── PoisonBatchError    the same index batch killed its worker twice
     └── LoaderTimeoutError      (also RuntimeError, TimeoutError) no batch within ``timeout``
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 __all__ = (
     "AioLoaderError",
+    "EpochEndedError",
     "LoaderClosedError",
     "LoaderTimeoutError",
     "PoisonBatchError",
@@ -28,6 +30,15 @@ class AioLoaderError(Exception):
 
 class LoaderClosedError(AioLoaderError, RuntimeError):
     """Raised by ``AsyncDataLoader`` when it is iterated after ``aclose()``."""
+
+
+class EpochEndedError(AioLoaderError, RuntimeError):
+    """Raised by ``__anext__`` of an epoch that ended before its last batch and cannot go on.
+
+    An epoch ends early when its consumer is cancelled while waiting for a batch (a notebook
+    interrupt, ``asyncio.timeout``), or when a new epoch starts on a ``persistent_workers=True``
+    loader whose workers it shared. The message says which; nothing is ever truncated silently.
+    """
 
 
 class WorkerCrashedError(AioLoaderError, RuntimeError):

@@ -73,12 +73,15 @@ class CrashReport:
         exitcode: int | None,
         send_idx: int | None,
         epoch: int | None = None,
+        started: bool = True,
     ):
         self.worker_id = worker_id
         self.pid = pid
         self.exitcode = exitcode
         self.send_idx = send_idx
         self.epoch = epoch
+        #: False when the worker died before its initializer ran (a set-up error).
+        self.started = started
 
     def describe(self) -> str:
         who = "a worker" if self.worker_id is None else f"worker {self.worker_id}"
@@ -169,6 +172,16 @@ class WorkerPool:
 
         return await run_off_loop(start_sync, name="start", on_abandon=lambda p: p._kill_sync())
 
+    async def replace(self) -> WorkerPool:
+        """Kill these workers and start an identical set (after a crash); the payload moves over."""
+        self.hand_over_payload()
+        await self.shutdown(graceful=False)
+        return await WorkerPool.start(lambda: self.spec, self._ctx, self._per_worker)
+
+    def kill_sync(self) -> None:
+        """Kill every worker and join the executors' threads; blocks. Safe to call twice."""
+        self._kill_sync()
+
     def hand_over_payload(self) -> None:
         """A replacement pool now owns the payload file: do not close it at shutdown."""
         self._owns_payload = False
@@ -243,12 +256,14 @@ class WorkerPool:
         if wid < 0 and proc.pid is not None:
             wid = next((w for w in range(self.num_workers) if self._pid_slots[w] == proc.pid), -1)
         send_idx = self._slots[wid] if wid >= 0 else -1
+        started = wid >= 0 and self._pid_slots[wid] == proc.pid
         return CrashReport(
             wid if wid >= 0 else None,
             proc.pid,
             proc.exitcode,
             send_idx if send_idx >= 0 else None,
             self._epoch_slots[wid] if send_idx >= 0 else None,
+            started=started,
         )
 
     def busy_send_idx(self) -> dict[int, tuple[int, int]]:

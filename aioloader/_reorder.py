@@ -2,6 +2,10 @@
 
 In order (``in_order=True``) an item is released only when every smaller ``send_idx`` has been
 released or skipped; otherwise items are released as they arrive, smallest index first.
+
+Memory is bounded by the batches in flight, not by the length of the epoch: an endless stream
+runs in constant memory. Only indices that arrived and were not yet released are remembered,
+plus (out of order) those released ahead of the oldest one still outstanding.
 """
 
 from __future__ import annotations
@@ -18,16 +22,21 @@ class ReorderBuffer(Generic[_T]):
     """An ``asyncio.PriorityQueue`` of ``(send_idx, item)`` plus the index to release next.
 
     Every ``send_idx`` below the end given to :meth:`close` is either :meth:`put` or :meth:`skip`
-    exactly once; :meth:`get` raises ``StopAsyncIteration`` once all of them were released.
+    exactly once; :meth:`get` raises ``StopAsyncIteration`` once all of them were released. An
+    index that arrives twice is a bug and raises ``RuntimeError`` at once.
     """
 
     def __init__(self, in_order: bool) -> None:
         self._in_order = in_order
         self._pq: asyncio.PriorityQueue[tuple[int, _T]] = asyncio.PriorityQueue()
         self._arrived = asyncio.Event()
-        self._next_idx = 0  # in order: the send_idx to release next
-        self._skipped: set[int] = set()
-        self._seen: set[int] = set()  # every index put or skipped this epoch: a repeat is a bug
+        # Every index below _low was released or skipped; _pending holds those that arrived and
+        # were not released yet; _ahead (out of order only) those released while a smaller one
+        # is still outstanding. All three stay within the in-flight window.
+        self._low = 0
+        self._pending: set[int] = set()
+        self._ahead: set[int] = set()
+        self._skipped: set[int] = set()  # in order: skipped indices not yet passed
         self._released = 0  # items released + indices skipped
         self._end: int | None = None
         self._failure: BaseException | None = None
@@ -37,12 +46,24 @@ class ReorderBuffer(Generic[_T]):
         return self._pq.qsize()
 
     def _mark(self, idx: int) -> None:
-        if idx in self._seen:
+        if idx < self._low or idx in self._pending or idx in self._ahead:
             raise RuntimeError(f"aioloader bug: send_idx {idx} arrived twice")
         if self._end is not None and idx >= self._end:
             raise RuntimeError(f"aioloader bug: send_idx {idx} arrived after the end {self._end}")
-        self._seen.add(idx)
+        self._pending.add(idx)
         self._arrived.set()
+
+    def _retire(self, idx: int) -> None:
+        """``idx`` left the buffer (released or skipped): forget it once the window passes it."""
+        self._pending.discard(idx)
+        self._released += 1
+        if idx == self._low:
+            self._low += 1
+            while self._low in self._ahead:
+                self._ahead.discard(self._low)
+                self._low += 1
+        else:
+            self._ahead.add(idx)
 
     def put(self, idx: int, item: _T) -> None:
         self._mark(idx)
@@ -54,7 +75,7 @@ class ReorderBuffer(Generic[_T]):
         if self._in_order:
             self._skipped.add(idx)
         else:
-            self._released += 1
+            self._retire(idx)
 
     def close(self, end: int) -> None:
         """No ``send_idx >= end`` will be put; the consumer stops after releasing the rest."""
@@ -62,9 +83,17 @@ class ReorderBuffer(Generic[_T]):
         self._arrived.set()
 
     def fail(self, exc: BaseException) -> None:
-        """Make every later :meth:`get` raise ``exc`` at once (a fatal error ahead of all data)."""
-        self._failure = exc
+        """Make every later :meth:`get` raise ``exc`` at once (a fatal error ahead of all data).
+
+        The first failure wins: a later one (the epoch being torn down) does not replace it.
+        """
+        if self._failure is None:
+            self._failure = exc
         self._arrived.set()
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
 
     def drain(self) -> list[_T]:
         """Remove and return every buffered item (used when an epoch is abandoned)."""
@@ -76,23 +105,20 @@ class ReorderBuffer(Generic[_T]):
     def _done(self) -> bool:
         if self._end is None:
             return False
-        if self._in_order:
-            return self._next_idx >= self._end
         return self._released >= self._end
 
     def _try_release(self) -> tuple[bool, _T | None]:
         if self._in_order:
-            while self._next_idx in self._skipped:
-                self._skipped.discard(self._next_idx)
-                self._next_idx += 1
+            while self._low in self._skipped:
+                self._skipped.discard(self._low)
+                self._retire(self._low)
         if self._pq.empty():
             return False, None
         idx, item = self._pq.get_nowait()
-        if self._in_order and idx != self._next_idx:
+        if self._in_order and idx != self._low:
             self._pq.put_nowait((idx, item))  # the head is still missing
             return False, None
-        self._next_idx = idx + 1 if self._in_order else self._next_idx
-        self._released += 1
+        self._retire(idx)
         return True, item
 
     async def get(self) -> _T:

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -84,6 +85,15 @@ def _start_global_helpers() -> None:
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
+    # multiprocessing's fd-sharing listener (a thread and a socket) starts the first time this
+    # process sends a shared-memory tensor to a worker (an index batch that is a tensor) and
+    # lives as long as the process, as with torch's DataLoader.
+    from multiprocessing import resource_sharer
+
+    sharer: Any = resource_sharer._resource_sharer  # type: ignore[attr-defined]
+    with sharer._lock:
+        if sharer._address is None:
+            sharer._start()
     if torch.cuda.is_available():
         # The CUDA driver opens its device files and a context once per process and keeps them;
         # open them before any test takes its fd baseline.

@@ -180,6 +180,12 @@ async def test_worker_death_after_an_abandoned_epoch_is_recovered(tmp_path: Path
     async with loader, asyncio.timeout(60):
         it = aiter(loader)
         pid = int((await anext(it))[0, 1])
+        # The race behind this test's old flakiness: closing before the worker has picked up
+        # index 1 cancels that batch while it is still queued, so it never hangs here and hangs
+        # in the next epoch instead. Wait until the worker is inside it.
+        marker = tmp_path / "stuck"
+        while not marker.exists():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
         await it.aclose()  # cancels the batches queued behind the worker stuck on index 1
         assert loader._persistent_pool is not None
         (executor,) = loader._persistent_pool._executors

@@ -276,9 +276,7 @@ async def test_replacement_after_a_crash_starts_every_process(process_starts: li
         os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
         report = await run_off_loop(pool.crash_report, name="test-diagnose")
         assert report.pid == victim.pid
-        pool.hand_over_payload()
-        await pool.shutdown(graceful=False)
-        new = await WorkerPool.start(lambda: pool.spec, pool._ctx, pool._per_worker)
+        new = await pool.replace()  # what crash recovery does
         assert len(new._procs) == 3
         assert executor_pids(new) == pids_of(new)
         res = await result(new.submit(0, [0, 1], 0, None))
@@ -454,7 +452,7 @@ async def test_graceful_shutdown_of_a_broken_pool_does_not_wait_for_sigterm_surv
 
 
 def test_remote_error_records_system_exit_as_runtime_error() -> None:
-    from aioloader._loader import _raise_remote
+    from aioloader._consumer import raise_remote
 
     try:
         sys.exit(2)
@@ -466,7 +464,7 @@ def test_remote_error_records_system_exit_as_runtime_error() -> None:
     assert "sys.exit(2)" in err.exc_msg  # the worker's traceback
     assert "must not raise SystemExit" in err.exc_msg
     with pytest.raises(RuntimeError, match="SystemExit") as info:
-        _raise_remote(err)
+        raise_remote(err)
     assert type(info.value) is RuntimeError
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from aioloader import AsyncDataLoader
+from aioloader import AsyncDataLoader, EpochEndedError
 from tests import datasets
 from tests.conftest import collect, worker_processes
 
@@ -131,14 +131,32 @@ async def test_aclose_during_iteration_from_another_task() -> None:
         await anext(it)
 
 
-async def test_new_epoch_replaces_an_unfinished_one() -> None:
+async def test_a_second_epoch_runs_beside_an_unfinished_one_without_persistent_workers() -> None:
+    # torch without persistent workers: two iterators are independent, each with its workers.
     async with AsyncDataLoader(datasets.RangeDataset(20), batch_size=4, num_workers=2) as loader:
         it1 = aiter(loader)
         async with asyncio.timeout(30):
             assert (await anext(it1)).flatten().tolist() == [0, 1, 2, 3]
             got = await collect(loader)
+            assert [b.flatten().tolist() for b in got] == [
+                list(range(i, i + 4)) for i in range(0, 20, 4)
+            ]
+            rest = [b.flatten().tolist() async for b in it1]
+    assert rest == [list(range(i, i + 4)) for i in range(4, 20, 4)]
+
+
+async def test_a_new_epoch_ends_an_unfinished_one_loudly_with_persistent_workers() -> None:
+    async with AsyncDataLoader(
+        datasets.RangeDataset(20), batch_size=4, num_workers=2, persistent_workers=True
+    ) as loader:
+        it1 = aiter(loader)
+        async with asyncio.timeout(30):
+            assert (await anext(it1)).flatten().tolist() == [0, 1, 2, 3]
+            got = await collect(loader)
             assert len(got) == 5
-            with pytest.raises(StopAsyncIteration):
+            with pytest.raises(EpochEndedError, match="persistent_workers=True"):
+                await anext(it1)
+            with pytest.raises(EpochEndedError):  # and again: never a silent end
                 await anext(it1)
 
 

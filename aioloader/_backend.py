@@ -1,0 +1,140 @@
+"""The executor protocol every backend implements, and the in-process one (``num_workers=0``).
+
+Runs in: the event loop (``submit``, the awaited methods) with blocking work on helper threads.
+
+The scheduler, the recovery and the consumer know a backend only through :class:`Backend`:
+
+* it is started from a :class:`~aioloader._worker.WorkerSpec`, so the dataset crosses to the
+  workers once, not with every task;
+* ``submit(send_idx, indices, epoch, worker_id)`` returns a ``concurrent.futures.Future`` of a
+  :class:`~aioloader._worker.Result`, or raises ``BrokenProcessPool`` when a worker has died;
+* a dead worker is reported by its sentinel becoming readable and by :meth:`Backend.crash_report`,
+  which names the worker, its exit code and the ``(epoch, send_idx)`` it held;
+* :meth:`Backend.replace` starts an identical set of workers after a crash; :meth:`shutdown` and
+  :meth:`kill_sync` release everything.
+
+Process workers are :class:`~aioloader._executor.WorkerPool`; :class:`ThreadBackend` below loads
+batches on one thread of this process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from torch.utils.data import _DatasetKind
+
+from . import _worker
+from ._executor import CrashReport
+from ._threads import run_off_loop
+
+__all__ = ("Backend", "Direct", "ThreadBackend")
+
+
+class Backend(Protocol):
+    """What the epoch needs from a set of workers. See the module docstring."""
+
+    num_workers: int
+
+    def submit(
+        self, send_idx: int, indices: Any, epoch: int, worker_id: int | None
+    ) -> Future[Any]: ...
+
+    def sentinels(self) -> list[int]: ...
+
+    def crash_report(self, settle_s: float = 1.0) -> CrashReport: ...
+
+    async def replace(self) -> Backend: ...
+
+    async def shutdown(self, *, graceful: bool) -> None: ...
+
+    def kill_sync(self) -> None: ...
+
+
+class Direct:
+    """A batch loaded in this process: no transport needed. ``value`` is the batch itself."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class ThreadBackend:
+    """``num_workers=0``: batches load on one thread of this process, off the event loop.
+
+    As in torch's single-process mode, ``get_worker_info()`` is None and errors keep their original
+    exception object. A ``BaseException`` that is not an ``Exception`` (``SystemExit`` from a
+    dataset) is turned into a ``RuntimeError`` naming it: raised in the consumer it would end
+    ``asyncio.run`` with no traceback.
+    """
+
+    num_workers = 1
+
+    def __init__(
+        self,
+        *,
+        dataset: Any,
+        is_iterable: bool,
+        auto_collation: bool,
+        collate_fn: Any,
+        drop_last: bool,
+    ) -> None:
+        self._kind = _DatasetKind.Iterable if is_iterable else _DatasetKind.Map
+        self._dataset = dataset
+        self._auto_collation = auto_collation
+        self._collate_fn = collate_fn
+        self._drop_last = drop_last
+        self._epoch = -1
+        self._fetcher: Any = None
+        self._ex = ThreadPoolExecutor(1, thread_name_prefix="aioloader-fetch")
+
+    def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
+        return self._ex.submit(self._fetch, send_idx, indices, epoch)
+
+    def _fetch(self, send_idx: int, indices: Any, epoch: int) -> _worker.Result:
+        start = time.perf_counter()
+        if self._epoch != epoch:
+            self._epoch = epoch
+            self._fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+                self._kind, self._dataset, self._auto_collation, self._collate_fn, self._drop_last
+            )
+        try:
+            data: Any = Direct(self._fetcher.fetch(indices))
+        except StopIteration:
+            if self._kind != _DatasetKind.Iterable:
+                raise RuntimeError(
+                    "the Dataset's __getitem__ or the collate_fn raised StopIteration; "
+                    "raise IndexError for a bad index instead"
+                ) from None
+            data = _worker.Exhausted(0)
+        except Exception:
+            raise
+        except BaseException as exc:
+            raise RuntimeError(
+                f"Caught {type(exc).__name__} while loading batch send_idx={send_idx} "
+                "(num_workers=0): a Dataset or collate_fn must not raise it; it is re-raised "
+                "as RuntimeError so it cannot end the event loop"
+            ) from exc
+        return _worker.Result(send_idx, epoch, 0, os.getpid(), data, time.perf_counter() - start)
+
+    def sentinels(self) -> list[int]:
+        return []  # a thread cannot die the way a process does
+
+    def crash_report(self, settle_s: float = 1.0) -> CrashReport:
+        raise RuntimeError("aioloader bug: a thread backend has no crashed workers")
+
+    async def replace(self) -> Backend:
+        raise RuntimeError("aioloader bug: a thread backend is never replaced")
+
+    async def shutdown(self, *, graceful: bool) -> None:
+        self._ex.shutdown(wait=False, cancel_futures=True)
+        # The thread may be inside user code; joining waits for that call to return.
+        await run_off_loop(lambda: self._ex.shutdown(wait=True), name="fetch-join")
+
+    def kill_sync(self) -> None:
+        # A thread cannot be killed: queued batches are dropped and the thread exits once the
+        # call it is in returns.
+        self._ex.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,332 @@
+"""Consumer stage: reorder buffer -> (device stage) -> the ``async for`` body. Runs in: the loop.
+
+Upstream: ``_reorder`` (results in ``send_idx`` order). With ``pin_memory`` or ``device=`` a feeder
+task passes each batch through the device thread (``_device``) and keeps up to
+``device_prefetch`` batches ready; otherwise the consumer decodes results itself.
+
+What the consumer may see, and what follows:
+
+* a batch: a permit returns to the scheduler;
+* a user error for one batch (``__getitem__`` raised): re-raised with the worker's traceback; the
+  epoch goes on, as in torch, for a consumer that keeps calling ``__anext__``;
+* the end: ``StopAsyncIteration``, and the epoch is FINISHED;
+* a fatal error (a crash that cannot be recovered, ``timeout``, the workers failing to start):
+  raised once, then ``StopAsyncIteration``;
+* cancellation while waiting (a notebook interrupt, ``asyncio.timeout``): the epoch ends at once
+  and releases its workers; asking again raises :class:`~aioloader.EpochEndedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch._utils import ExceptionWrapper
+
+from . import _worker
+from ._backend import Direct
+from ._device import DeviceStage
+from ._errors import AioLoaderError, EpochEndedError, LoaderTimeoutError
+
+if TYPE_CHECKING:
+    from ._epoch import Epoch
+
+__all__ = ("Consumer", "Failure")
+
+
+class Failure(NamedTuple):
+    """An exception to raise at this batch's position."""
+
+    exc: BaseException
+
+
+_END = object()  # the device feeder's end-of-epoch marker
+
+
+class Consumer:
+    """The consuming side of one epoch: ``next()`` is what ``__anext__`` awaits."""
+
+    def __init__(self, epoch: Epoch) -> None:
+        self._epoch = epoch
+        workers = max(1, epoch.loader.num_workers)
+        # Iterable datasets: torch's round-robin over workers that are not exhausted.
+        self._active = [True] * workers
+        self._next_worker = 0
+        self._yielded = 0
+        # The end or a fatal error was raised once: later calls see StopAsyncIteration.
+        self._done = False
+        # Device stage (pin_memory / device=): a feeder task moves batches from the reorder
+        # buffer through the device thread into _ready, keeping up to device_prefetch ahead.
+        self._stage: DeviceStage | None = None
+        self._feed_task: asyncio.Task[None] | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._ready: asyncio.Queue[Any] = asyncio.Queue()
+        # The reference-holding guard: the batch delivered last stays referenced until the
+        # consumer asks for the next one, so its device memory is freed only after the consumer
+        # has queued all its work on it (see _device.py).
+        self._last_delivered: Any = None
+
+    # --------------------------------------------------------------------- worker choice
+
+    def pick_worker(self) -> int | None:
+        n = len(self._active)
+        for _ in range(n):
+            wid = self._next_worker
+            self._next_worker = (self._next_worker + 1) % n
+            if self._active[wid]:
+                return wid
+        return None
+
+    def worker_exhausted(self, wid: int) -> None:
+        self._active[wid] = False
+
+    # --------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the device stage, if any. Called once the workers exist."""
+        loader = self._epoch.loader
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # given once per epoch by __aiter__, as torch does
+            stage = DeviceStage(
+                pin_memory=loader.pin_memory,
+                device=loader.device,
+                pin_memory_device=loader.pin_memory_device,
+            )
+        if not stage.active:
+            return
+        # After the workers exist: starting CUDA and a thread must not precede a fork.
+        stage.start()
+        self._stage = stage
+        self._slots = asyncio.Semaphore(loader.device_prefetch)
+        self._feed_task = asyncio.get_running_loop().create_task(
+            self._feed(stage), name=f"aioloader-device-feed:{self._epoch.epoch_no}"
+        )
+
+    def on_end(self, reason: BaseException | None) -> None:
+        """The epoch ended: wake a consumer waiting on the device stage with ``reason``."""
+        self._last_delivered = None
+        if self._feed_task is not None and not self._feed_task.done():
+            self._feed_task.cancel()
+        if self._stage is not None:
+            self._ready.put_nowait(Failure(reason) if reason is not None else _END)
+
+    def close_nowait(self) -> None:
+        """Stop the device thread without waiting (no running loop to wait on)."""
+        if self._stage is not None:
+            self._stage.close_nowait()
+
+    async def aclose(self) -> None:
+        """Stop the device stage and drop the batches it prepared. Called by the cleanup."""
+        if self._feed_task is not None:
+            await asyncio.wait([self._feed_task])
+        if self._stage is not None:
+            await self._stage.aclose()
+        while not self._ready.empty():
+            self._ready.get_nowait()
+
+    # --------------------------------------------------------------------- consuming
+
+    def _after_end(self) -> BaseException:
+        reason = self._epoch.end_reason
+        if reason is None:
+            return StopAsyncIteration()
+        return type(reason)(*reason.args)  # a fresh one: re-raising adds to its traceback
+
+    async def next(self) -> Any:
+        from ._epoch import Phase
+
+        ep = self._epoch
+        loader = ep.loader
+        if self._done or ep.phase is Phase.ENDED:
+            raise self._after_end()
+        t0 = time.perf_counter()
+        try:
+            try:
+                await ep.ensure_started()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # the workers could not start: the epoch is over
+                self._done = True
+                ep.fail(exc)
+                raise
+            self._last_delivered = None
+            value = await self._next_with_timeout()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling() == 0 and ep.terminal:
+                # Not our cancellation: the epoch was ended under us (aclose() elsewhere).
+                self._done = True
+                raise self._after_end() from None
+            ep.end(
+                Phase.ENDED,
+                EpochEndedError(
+                    f"epoch {ep.epoch_no} ended because its consumer was cancelled while "
+                    "waiting for a batch (an interrupt or a timeout); its workers were released. "
+                    "Start a new epoch with `async for` to go on."
+                ),
+            )
+            raise
+        except StopAsyncIteration:
+            self._done = True
+            ep.end(Phase.FINISHED)
+            await ep.wait_cleanup()  # as torch: the workers are gone when the loop ends
+            raise
+        except AioLoaderError as exc:
+            # The loader's own errors are fatal (a crash, the timeout, closed, superseded).
+            self._done = True
+            ep.fail(exc)
+            if not isinstance(exc, LoaderTimeoutError):
+                # After a timeout a worker thread may be stuck in user code: do not wait for it
+                # here (aclose() does).
+                await ep.wait_cleanup()
+            raise
+        except Exception:
+            if ep.terminal:
+                # The epoch failed (workers that could not be replaced): this was its fatal
+                # error, raised once; what is left of the epoch is its end.
+                self._done = True
+                await ep.wait_cleanup()
+            raise  # otherwise one batch's error: the epoch goes on, as in torch
+        finally:
+            loader._wait_s += time.perf_counter() - t0
+        if self._yielded == 0 and ep.started_at is not None:
+            loader._ttfb = time.perf_counter() - ep.started_at
+        self._yielded += 1
+        loader._batches += 1
+        self._check_iterable_len()
+        if self._stage is not None:
+            self._last_delivered = value
+        return value
+
+    async def _next_with_timeout(self) -> Any:
+        timeout = self._epoch.loader.timeout
+        if timeout <= 0:
+            return await self._next_value()
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                return await self._next_value()
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the batch's own error (a dataset that raised TimeoutError)
+            raise LoaderTimeoutError(
+                f"DataLoader timed out after {timeout} seconds (no batch arrived in time)"
+            ) from None
+
+    async def _next_value(self) -> Any:
+        """The next batch, decoded (and pinned/moved when the device stage is on)."""
+        if self._stage is None:
+            item = await self._epoch.reorder.get()
+            self._epoch.permits.release()
+            return self._decode(item)
+        ready = await self._ready.get()
+        assert self._slots is not None
+        self._slots.release()
+        if isinstance(ready, Failure):
+            raise ready.exc
+        if ready is _END:
+            raise StopAsyncIteration
+        return ready
+
+    async def _feed(self, stage: DeviceStage) -> None:
+        """Runs in: a task. reorder buffer -> decode -> device thread -> _ready, in order."""
+        slots = self._slots
+        assert slots is not None
+        ep = self._epoch
+        while True:
+            await slots.acquire()
+            try:
+                item = await ep.reorder.get()
+            except StopAsyncIteration:
+                self._ready.put_nowait(_END)
+                return
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # fatal (worker crash): the consumer raises it
+                self._ready.put_nowait(Failure(exc))
+                return
+            ep.permits.release()
+            try:
+                value = await stage.process(self._decode(item))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # this batch's error; the epoch goes on, as in torch
+                value = Failure(exc)
+            self._ready.put_nowait(value)
+
+    def _decode(self, item: Any) -> Any:
+        if isinstance(item, Failure):
+            raise item.exc
+        res: _worker.Result = item
+        data = res.data
+        value: Any
+        if isinstance(data, Direct):
+            value = data.value
+        elif isinstance(data, _worker.RemoteError):
+            raise_remote(data)
+        elif isinstance(data, Failure):
+            raise data.exc
+        else:
+            raise RuntimeError(f"aioloader bug: unexpected result {type(data).__name__}")
+        self._epoch.loader._samples += _batch_len(value, self._epoch.loader.batch_size)
+        return value
+
+    def _check_iterable_len(self) -> None:
+        loader = self._epoch.loader
+        promised = loader._torch._IterableDataset_len_called
+        if loader._is_iterable and promised is not None and self._yielded > promised:
+            msg = (
+                f"Length of IterableDataset {loader.dataset} was reported to be {promised}"
+                f"(when accessing len(dataloader)), but {self._yielded} samples have been "
+                "fetched. "
+            )
+            if loader.num_workers > 0:
+                msg += (
+                    "For multiprocessing data-loading, this could be caused by not properly "
+                    "configuring the IterableDataset replica at each worker. Please see "
+                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                    "for examples."
+                )
+            warnings.warn(msg, UserWarning, stacklevel=4)
+
+
+def raise_remote(err: _worker.RemoteError) -> None:
+    """Re-raise a worker's exception in this process, as torch does (type kept when possible)."""
+    exc_type: Any = RuntimeError
+    if err.exc_type is not None:
+        try:
+            exc_type = pickle.loads(err.exc_type)
+        except Exception:
+            exc_type = RuntimeError
+    if exc_type in (StopIteration, StopAsyncIteration):
+        # Raised from a coroutine these would be swallowed or mangled (PEP 479).
+        raise RuntimeError(
+            f"Caught {err.type_name} {err.where}: a map-style Dataset's __getitem__ or a "
+            f"collate_fn must not raise {err.type_name}; raise IndexError for a bad index.\n"
+            f"Original {err.exc_msg}"
+        )
+    if not (isinstance(exc_type, type) and issubclass(exc_type, Exception)):
+        exc_type = RuntimeError  # SystemExit & co. in the consumer would end the event loop
+    wrapper = ExceptionWrapper.__new__(ExceptionWrapper)
+    wrapper.exc_type = exc_type
+    wrapper.exc_msg = err.exc_msg
+    wrapper.where = err.where
+    if exc_type is RuntimeError and err.type_name != "RuntimeError":
+        wrapper.where = f"{err.where} (original type {err.type_name} cannot be rebuilt here)"
+    wrapper.reraise()  # type: ignore[no-untyped-call]
+
+
+def _batch_len(value: Any, batch_size: int | None) -> int:
+    if batch_size is None:
+        return 1
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return int(value.shape[0])
+    if isinstance(value, (list, tuple)) and value:
+        return _batch_len(value[0], batch_size)
+    if isinstance(value, dict) and value:
+        return _batch_len(next(iter(value.values())), batch_size)
+    return int(batch_size)

@@ -1,0 +1,444 @@
+"""One epoch: its state machine and the table of batches in flight. Runs in: the event loop.
+
+An epoch is one pass over the sampler. Its life is one explicit :class:`Phase`, changed only by
+:meth:`Epoch._to` (transitions between running phases) and :meth:`Epoch.end` (the single way into
+a terminal phase), so the stages it drives cannot race on flags::
+
+    CREATED -> STARTING -> RUNNING <-> RECOVERING
+                  |           |            |
+                  +-----------+------------+--> FINISHED | FAILED | ENDED   (terminal)
+
+* the scheduler (``_scheduler``) submits index batches while the phase is RUNNING;
+* the recovery (``_recovery``) owns RECOVERING: one task replaces crashed workers and absorbs any
+  further crash while it runs;
+* the consumer (``_consumer``) turns the reorder buffer's items into batches (through the device
+  stage when there is one) and moves the epoch to FINISHED when it received the end.
+
+:meth:`Epoch.end` wakes every waiter with the epoch's reason, cancels what is queued, and decides
+once what happens to the workers: an epoch's own workers are shut down; a persistent pool is kept
+only if the epoch ended while it was healthy, and retired otherwise so no later epoch inherits a
+crash.
+
+Invariant: ``submitted - delivered - skipped == permits held <= max_in_flight``. A permit returns
+when the *consumer receives* a batch (or an exhausted iterable worker's index is skipped), so a
+straggler can never make the reorder buffer grow past ``max_in_flight`` batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import errno
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+from typing import TYPE_CHECKING, Any
+
+from . import _transport, _worker
+from ._backend import Backend, Direct
+from ._consumer import Consumer, Failure
+from ._errors import EpochEndedError
+from ._recovery import Recovery
+from ._reorder import ReorderBuffer
+from ._scheduler import Flight, run_scheduler
+
+if TYPE_CHECKING:
+    from ._loader import AsyncDataLoader
+
+__all__ = ("Epoch", "Phase")
+
+_logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    CREATED = "created"  # made by __aiter__; nothing started
+    STARTING = "starting"  # workers starting, off the loop
+    RUNNING = "running"  # scheduler submitting, results arriving
+    RECOVERING = "recovering"  # a worker died: the recovery task replaces them; no submissions
+    FINISHED = "finished"  # terminal: the consumer received the end
+    FAILED = "failed"  # terminal: a fatal error waits for the consumer; workers released
+    ENDED = "ended"  # terminal: ended early (break, GC, cancellation, superseded, aclose)
+
+
+TERMINAL = frozenset({Phase.FINISHED, Phase.FAILED, Phase.ENDED})
+
+_ALLOWED = {
+    Phase.CREATED: {Phase.STARTING},
+    Phase.STARTING: {Phase.RUNNING},
+    Phase.RUNNING: {Phase.RECOVERING},
+    Phase.RECOVERING: {Phase.RUNNING},
+}
+
+
+class Epoch:
+    """One pass over the sampler; see the module docstring for the phases."""
+
+    def __init__(self, loader: AsyncDataLoader[Any], epoch_no: int, base_seed: int) -> None:
+        self.loader = loader
+        self.epoch_no = epoch_no
+        self.base_seed = base_seed
+        self.phase = Phase.CREATED
+        self.reorder: ReorderBuffer[Any] = ReorderBuffer(loader.in_order)
+        workers = loader.num_workers
+        self.max_in_flight = loader.prefetch_factor * workers if workers > 0 else 1
+        self.permits = asyncio.Semaphore(self.max_in_flight)
+        # Set while submissions may go on (RUNNING); cleared during recovery.
+        self.resumed = asyncio.Event()
+        self.in_flight: dict[int, Flight] = {}
+        self.backend: Backend | None = None
+        self.owns_backend = False
+        # Bumped when a crash is accepted: every future of the dead workers is stale from then.
+        self.generation = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_thread: int | None = None
+        self.started_at: float | None = None
+        self.recovery = Recovery(self)
+        self.consumer = Consumer(self)
+        self._watched: list[int] = []
+        self._start_task: asyncio.Task[None] | None = None
+        self._sched_task: asyncio.Task[None] | None = None
+        self._ended_from: Phase | None = None
+        # Why the epoch ended early, raised again to a consumer that keeps asking (None: the
+        # consumer ended it itself, and then gets StopAsyncIteration).
+        self.end_reason: BaseException | None = None
+        self._cleanup_task: asyncio.Task[None] | None = None
+        self._guard_task: asyncio.Task[None] | None = None
+        self._ended = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"<Epoch {self.epoch_no} {self.phase.value}>"
+
+    def in_flight_count(self) -> int:
+        return len(self.in_flight) + len(self.reorder)
+
+    # ------------------------------------------------------------------------------ phases
+
+    def _to(self, phase: Phase) -> None:
+        """Move between non-terminal phases; a terminal phase is entered only through end()."""
+        if phase not in _ALLOWED.get(self.phase, set()):
+            raise RuntimeError(f"aioloader bug: epoch phase {self.phase.value} -> {phase.value}")
+        _logger.debug("epoch %d: %s -> %s", self.epoch_no, self.phase.value, phase.value)
+        self.phase = phase
+        if phase is Phase.RUNNING:
+            self.resumed.set()
+        else:
+            self.resumed.clear()
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL
+
+    def end(self, phase: Phase, reason: BaseException | None = None) -> bool:
+        """Enter terminal ``phase`` (the only way to): wake waiters, cancel work, release workers.
+
+        ``reason`` is raised to a consumer waiting now or asking later (for FAILED: the fatal
+        error). Returns False if the epoch had already ended. Safe from any thread: called off
+        the loop's thread (garbage collection), it hands itself over to the loop.
+        """
+        if phase not in TERMINAL:
+            raise RuntimeError(f"aioloader bug: end() with non-terminal {phase.value}")
+        if self.terminal:
+            return False
+        loop = self.loop
+        if loop is not None and threading.get_ident() != self.loop_thread:
+            # Another thread (the garbage collector running there): the loop owns this epoch.
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(self.end, phase, reason)
+                return True
+        if loop is not None and not loop.is_running():
+            self._end_without_loop(phase)  # e.g. collected after asyncio.run() returned
+            return True
+        _logger.debug("epoch %d: %s -> %s (%r)", self.epoch_no, self.phase.value, phase, reason)
+        self._ended_from = self.phase
+        self.phase = phase
+        self.end_reason = reason if phase is Phase.ENDED else None
+        self.resumed.set()  # a scheduler waiting for a recovery wakes and sees the end
+        self._ended.set()
+        self._unwatch()
+        if reason is not None:
+            self.reorder.fail(reason)
+        self.consumer.on_end(reason)
+        current = asyncio.current_task() if loop is not None else None
+        for task in (self._start_task, self._sched_task, self.recovery.task):
+            if task is not None and task is not current and not task.done():
+                task.cancel()
+        for flight in self.in_flight.values():
+            if flight.future is not None:
+                flight.future.cancel()
+        self._decide_backend_fate()
+        self.loader._epoch_ended(self)
+        if loop is None:
+            return True  # never started: nothing to release
+        self._cleanup_task = loop.create_task(
+            self._cleanup(), name=f"aioloader-cleanup:{self.epoch_no}"
+        )
+        self.loader._track_cleanup(self._cleanup_task)
+        return True
+
+    async def _guard(self) -> None:
+        """Ends the epoch if the event loop shuts down under it, and finishes the cleanup.
+
+        ``asyncio.run`` cancels every task when its main coroutine returns, an unclosed loader's
+        epochs included, and then closes the loop: without this the workers and the device
+        thread would outlive it. This task is among those it waits for.
+        """
+        try:
+            await self._ended.wait()
+            return
+        except asyncio.CancelledError:
+            self.end(
+                Phase.ENDED,
+                EpochEndedError(f"epoch {self.epoch_no} ended because its event loop shut down"),
+            )
+            cleanup = self._cleanup_task
+            while cleanup is not None and not cleanup.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([cleanup])
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        """A fatal error: the consumer raises ``exc`` next; the workers go at once."""
+        self.end(Phase.FAILED, exc)
+
+    def _decide_backend_fate(self) -> None:
+        """Decide, once and at once, whether a persistent pool outlives this epoch.
+
+        It is kept only if the epoch finished, or was abandoned while RUNNING; after a failure
+        or an end during recovery it is detached from the loader now (so a new epoch cannot pick
+        it up while it is being torn down) and the cleanup shuts it down like the epoch's own.
+        """
+        if self.backend is None or self.owns_backend:
+            return
+        healthy = self.phase is Phase.FINISHED or (
+            self.phase is Phase.ENDED and self._ended_from is Phase.RUNNING
+        )
+        if healthy:
+            self.loader._persistent_pool_kept(busy=bool(self.in_flight))
+            self.backend = None  # the loader keeps it
+        else:
+            self.loader._persistent_pool_retired(self.backend)
+            self.owns_backend = True
+
+    def _end_without_loop(self, phase: Phase) -> None:
+        """The loop is not running (closed, or gone): release what can be released now."""
+        self._ended_from = self.phase
+        self.phase = phase
+        self._decide_backend_fate()
+        self.consumer.close_nowait()
+        backend, self.backend = self.backend, None
+        if backend is not None and self.owns_backend:
+            backend.kill_sync()
+        self.loader._epoch_ended(self)
+
+    async def _cleanup(self) -> None:
+        """Release the epoch's resources. Finishes even if cancelled (``asyncio.run`` exit)."""
+        cancelled: asyncio.CancelledError | None = None
+        for task in (self._start_task, self._sched_task, self.recovery.task):
+            if task is None:
+                continue
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError as exc:  # go on: the workers must still be released
+                cancelled = exc
+        try:
+            await self.consumer.aclose()
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+        self.reorder.drain()  # decoded batches: dropping them frees their shared memory
+        try:
+            await self._release_backend()
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+        if cancelled is not None:
+            raise cancelled
+
+    async def _release_backend(self) -> None:
+        """Shut down the workers this epoch owns (its own, or a retired persistent pool)."""
+        backend, owned = self.backend, self.owns_backend
+        self.backend, self.owns_backend = None, False
+        if backend is not None and owned:
+            graceful = self.phase is Phase.FINISHED and not self.in_flight
+            await backend.shutdown(graceful=graceful)
+
+    async def wait_cleanup(self) -> None:
+        if self._cleanup_task is not None:
+            await asyncio.wait([self._cleanup_task])
+
+    # ------------------------------------------------------------------------------ start-up
+
+    async def ensure_started(self) -> None:
+        """Start the workers on the first request; later calls return at once.
+
+        Cancelling the caller does not wait for workers that are still starting: the epoch
+        ends and its cleanup (awaited by ``aclose()``) releases them once they are up.
+        """
+        if self._start_task is None:
+            self.loop = asyncio.get_running_loop()
+            self.loop_thread = threading.get_ident()
+            self.started_at = time.perf_counter()
+            self.loader._note_first_request(self.started_at)
+            self._to(Phase.STARTING)
+            self._guard_task = self.loop.create_task(
+                self._guard(), name=f"aioloader-guard:{self.epoch_no}"
+            )
+            self._start_task = self.loop.create_task(
+                self._start(), name=f"aioloader-start:{self.epoch_no}"
+            )
+        if not self._start_task.done():
+            await asyncio.shield(self._start_task)
+        if not self._start_task.cancelled():
+            self._start_task.result()
+
+    async def _start(self) -> None:
+        try:
+            backend, owned = await self.loader._acquire_backend(self)
+        except OSError as exc:
+            if exc.errno == errno.EMFILE:
+                raise emfile_error(exc) from exc
+            raise
+        if self.terminal:  # ended while the workers started
+            if owned:
+                await backend.shutdown(graceful=False)
+            return
+        self.install(backend, owned)
+        loop = asyncio.get_running_loop()
+        self._to(Phase.RUNNING)
+        self._sched_task = loop.create_task(
+            run_scheduler(self), name=f"aioloader-scheduler:{self.epoch_no}"
+        )
+        self.consumer.start()
+
+    def install(self, backend: Backend, owned: bool | None = None) -> None:
+        """Make ``backend`` the epoch's workers (at start, or a replacement after a crash)."""
+        self.backend = backend
+        if owned is not None:
+            self.owns_backend = owned
+        self._watch()
+
+    # ------------------------------------------------------------------------------ submission
+
+    def submit(self, send_idx: int) -> None:
+        """Send the in-flight entry ``send_idx`` to the workers (again, after a recovery)."""
+        flight = self.in_flight[send_idx]
+        backend = self.backend
+        if backend is None or (self.phase is not Phase.RUNNING and not self.recovery.resubmitting):
+            return  # the recovery resubmits every entry once new workers are up
+        gen = self.generation
+        try:
+            fut = backend.submit(send_idx, flight.indices, self.epoch_no, flight.worker_id)
+        except BrokenProcessPool:
+            self.recovery.on_crash(gen)
+            return
+        except RuntimeError:
+            if self.terminal:  # a persistent pool shut down under us (aclose() racing)
+                return
+            raise
+        self.in_flight[send_idx] = flight._replace(future=fut)
+        loop = self.loop
+        assert loop is not None
+
+        def done(f: Future[Any]) -> None:  # runs in: the executor's manager thread
+            # Unpickle here, not on the loop: receiving a shared-memory batch waits on a socket
+            # handshake with the worker, which a busy worker can delay by milliseconds.
+            received = receive(f)
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+                loop.call_soon_threadsafe(self._on_done, send_idx, gen, f, received)
+
+        fut.add_done_callback(done)
+
+    def _on_done(self, send_idx: int, gen: int, fut: Future[Any], received: Any) -> None:
+        if self.terminal or gen != self.generation or fut.cancelled():
+            return  # ended, or resubmitted to replacement workers
+        exc = fut.exception()
+        if isinstance(exc, BrokenProcessPool):
+            self.recovery.on_crash(gen)
+            return
+        if self.in_flight.pop(send_idx, None) is None:
+            return
+        if exc is not None:
+            self.reorder.put(send_idx, Failure(exc))
+            return
+        res: _worker.Result = received
+        self.loader._busy_s += res.busy_s
+        if isinstance(res.data, _worker.Exhausted):
+            self.consumer.worker_exhausted(res.data.worker_id)
+            self.reorder.skip(send_idx)
+            self.permits.release()
+            return
+        self.reorder.put(send_idx, res)
+
+    # ------------------------------------------------------------------------------ crashes
+
+    def _watch(self) -> None:
+        """Watch the worker processes' sentinels on the loop: a death is noticed at once.
+
+        The executor reports a dead worker too, but not always: a worker killed while writing a
+        result larger than the pipe buffer leaves the executor's thread waiting for the rest of
+        it, forever. Watching the processes directly does not depend on that thread.
+        """
+        self._unwatch()
+        if self.backend is None or self.loop is None:
+            return
+        gen = self.generation
+        for fd in self.backend.sentinels():
+            self.loop.add_reader(fd, self._on_sentinel, gen)
+            self._watched.append(fd)
+
+    def _unwatch(self) -> None:
+        loop = self.loop
+        for fd in self._watched:
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(fd)
+        self._watched.clear()
+
+    def _on_sentinel(self, gen: int) -> None:
+        self._unwatch()  # a finished process's sentinel stays readable
+        self.recovery.on_crash(gen)
+
+    def unwatch(self) -> None:
+        self._unwatch()
+
+
+def emfile_error(exc: BaseException) -> RuntimeError:
+    err = RuntimeError(
+        "Too many open files: each batch in shared memory holds a file descriptor until it is "
+        "freed. Raise the limit (`ulimit -n 65536` in the shell, or resource.setrlimit("
+        "resource.RLIMIT_NOFILE, ...)), keep fewer batches alive, or call "
+        "torch.multiprocessing.set_sharing_strategy('file_system') at the start of the program."
+    )
+    err.__cause__ = exc
+    return err
+
+
+def receive(fut: Future[Any]) -> Any:
+    """Rebuild a finished task's batch. Runs in: the executor's manager thread (or a fetch thread).
+
+    Returns the :class:`~aioloader._worker.Result` with its ``data`` decoded into ``Direct`` (or a
+    ``Failure`` to raise at the batch's position), or None if the task did not complete. Never
+    raises: an exception escaping here would lose the batch.
+    """
+    if fut.cancelled() or fut.exception() is not None:
+        return None
+    res: _worker.Result = fut.result()
+    if not isinstance(res.data, bytes):
+        return res
+    try:
+        return res._replace(data=Direct(_transport.loads_result(res.data)))
+    except (OSError, RuntimeError) as exc:
+        # At the descriptor limit, receiving a batch's fd fails with EMFILE, or with
+        # multiprocessing's "received 0 items of ancdata" when the fd was dropped.
+        if getattr(exc, "errno", None) == errno.EMFILE or "ancdata" in str(exc):
+            return res._replace(data=Failure(emfile_error(exc)))
+        return res._replace(data=Failure(exc))
+    except Exception as exc:
+        return res._replace(data=Failure(exc))
+    except BaseException as exc:  # e.g. SystemExit from a custom type's unpickling
+        err = RuntimeError(
+            f"Caught {type(exc).__name__} while unpickling batch send_idx={res.send_idx} "
+            "in the main process"
+        )
+        err.__cause__ = exc
+        return res._replace(data=Failure(err))

@@ -1,0 +1,185 @@
+"""Crash recovery: a dead worker is replaced and its batches loaded again, or the epoch fails.
+
+Runs in: the event loop; one recovery task per crash, never two at once. The epoch is RECOVERING
+while it runs: the scheduler submits nothing, and a crash noticed meanwhile (a replacement worker
+dying while the batches in flight are resubmitted) is absorbed by the running task, which goes
+round again, instead of starting a second recovery beside it.
+
+Policy, per epoch (``max_worker_restarts``):
+
+* an iterable dataset's worker is never replaced (its position in its stream died with it);
+* a worker that died before it finished starting is a set-up error (an unimportable ``__main__``
+  under spawn, say): restarting would only repeat it;
+* an index batch that killed its worker twice is a :class:`~aioloader.PoisonBatchError`;
+* past ``max_worker_restarts`` restarts the epoch fails with
+  :class:`~aioloader.WorkerCrashedError`.
+
+A crash is attributed to a batch only if the dead worker reported this epoch's number with it, so a
+persistent worker that dies on an abandoned epoch's batch is not blamed on this one's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from ._errors import PoisonBatchError, WorkerCrashedError
+from ._executor import CrashReport
+from ._threads import run_off_loop
+
+if TYPE_CHECKING:
+    from ._epoch import Epoch
+
+__all__ = ("Recovery",)
+
+_logger = logging.getLogger(__name__)
+
+
+class Recovery:
+    """The epoch's crash handling: :meth:`on_crash` is the one entry point."""
+
+    def __init__(self, epoch: Epoch) -> None:
+        self._epoch = epoch
+        self._kills: Counter[int] = Counter()
+        self.restarts = 0
+        self.task: asyncio.Task[None] | None = None
+        self._again = False
+        # True while the recovery resubmits the batches in flight to the replacement workers.
+        self.resubmitting = False
+
+    def on_crash(self, gen: int) -> None:
+        """A worker of generation ``gen`` died (sentinel or ``BrokenProcessPool``)."""
+        from ._epoch import Phase
+
+        ep = self._epoch
+        if gen != ep.generation or ep.terminal:
+            return  # stale (already handled) or nothing left to recover
+        ep.generation += 1  # every other future of the dead workers is stale from now on
+        ep.unwatch()
+        if ep.phase is Phase.RECOVERING:
+            self._again = True  # the running recovery goes round once more
+            return
+        ep._to(Phase.RECOVERING)
+        loop = asyncio.get_running_loop()
+        self.task = loop.create_task(self._run(), name=f"aioloader-recovery:{ep.epoch_no}")
+
+    async def _run(self) -> None:
+        from ._epoch import Phase
+
+        ep = self._epoch
+        try:
+            while True:
+                self._again = False
+                backend = ep.backend
+                assert backend is not None
+                report: CrashReport = await run_off_loop(backend.crash_report, name="diagnose")
+                err = self._crash_error(report)
+                if err is not None:
+                    _logger.debug("fatal worker crash: %s", err)
+                    ep.fail(err)
+                    return
+                self.restarts += 1
+                ep.loader._restarts += 1
+                self._warn(report)
+                new = await backend.replace()
+                if ep.terminal:
+                    await new.shutdown(graceful=False)
+                    return
+                ep.loader._backend_replaced(backend, new)
+                ep.install(new)
+                self.resubmitting = True
+                try:
+                    for send_idx in sorted(ep.in_flight):
+                        ep.submit(send_idx)
+                        if self._again:
+                            break
+                finally:
+                    self.resubmitting = False
+                if not self._again:
+                    break
+            ep._to(Phase.RUNNING)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            ep.fail(exc)
+
+    def _warn(self, report: CrashReport) -> None:
+        ep = self._epoch
+        limit = ep.loader.max_worker_restarts
+        try:
+            warnings.warn(
+                f"{self._describe(report)}; restarting the workers and resubmitting "
+                f"{len(ep.in_flight)} batch(es) in flight (restart {self.restarts} of "
+                f"at most {limit} this epoch)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        except Warning as warning:
+            # Warnings are errors in this process (-W error): the crash is one too, and it
+            # must reach the consumer as the loader's error type, not as the warning.
+            raise WorkerCrashedError(
+                f"{self._describe(report)} (not restarted: RuntimeWarning is an error here)",
+                worker_id=report.worker_id,
+                exitcode=report.exitcode,
+            ) from warning
+
+    def _held(self, report: CrashReport) -> int | None:
+        """The send_idx of this epoch that the dead worker held, if any."""
+        ep = self._epoch
+        if report.send_idx is None or report.send_idx not in ep.in_flight:
+            return None
+        if report.epoch is not None and report.epoch != ep.epoch_no:
+            return None  # a persistent worker died on an earlier epoch's batch
+        return report.send_idx
+
+    def _describe(self, report: CrashReport) -> str:
+        msg = f"DataLoader {report.describe()}"
+        held = self._held(report)
+        if held is not None:
+            indices = self._epoch.in_flight[held].indices
+            msg += f" while loading batch send_idx={held} (indices {indices!r})"
+        return msg
+
+    def _crash_error(self, report: CrashReport) -> WorkerCrashedError | None:
+        """The error to fail the epoch with, or None if the workers may be restarted."""
+        ep = self._epoch
+        loader = ep.loader
+        msg = self._describe(report)
+        held = self._held(report)
+        indices: Any = ep.in_flight[held].indices if held is not None else None
+        if held is not None:
+            self._kills[held] += 1
+        common = {"worker_id": report.worker_id, "exitcode": report.exitcode}
+        # Exiting by itself (not killed by a signal) before the initializer ran: a set-up error.
+        if not report.started and report.exitcode is not None and report.exitcode >= 0:
+            return WorkerCrashedError(
+                f"{msg} before it finished starting, so it is not restarted (a restart would "
+                "fail the same way). Its own error is printed above. Under the spawn and "
+                "forkserver start methods each worker imports the main module again: a script "
+                "must create and iterate the loader only under `if __name__ == '__main__':`.",
+                **common,
+            )
+        if loader._is_iterable:
+            return WorkerCrashedError(
+                f"{msg}. An IterableDataset worker's position in its stream dies with it, so "
+                "it is not restarted (its samples would be lost or repeated).",
+                **common,
+            )
+        if held is not None and self._kills[held] >= 2:
+            return PoisonBatchError(
+                f"{msg}. This index batch killed its worker twice: one of these samples crashes "
+                "the process that loads it (look for a native crash or out-of-memory kill).",
+                indices=indices,
+                **common,
+            )
+        if self.restarts >= loader.max_worker_restarts:
+            return WorkerCrashedError(
+                f"{msg}. The workers were already restarted {self.restarts} time(s) this epoch "
+                f"(max_worker_restarts={loader.max_worker_restarts}).",
+                indices=indices,
+                **common,
+            )
+        return None
