@@ -368,3 +368,16 @@ class AbortOnReceiveDataset(RangeDataset):
         if i == self.bad:
             return AbortOnReceive(self.main_pid, i)
         return super().__getitem__(i)
+
+
+class SlowPickleDataset(RangeDataset):
+    """Takes ``delay`` seconds to pickle (a big dataset: spawn/forkserver pickle it in the main
+    process before any worker starts)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getstate__(self) -> dict[str, Any]:
+        time.sleep(self.delay)
+        return self.__dict__
