@@ -30,7 +30,7 @@ from torch._utils import ExceptionWrapper
 from . import _worker
 from ._backend import Direct
 from ._device import DeviceStage
-from ._errors import AioLoaderError, EpochEndedError, LoaderTimeoutError
+from ._errors import AioLoaderError, EpochEndedError, LoaderTimeoutError, WorkerCrashedError
 
 if TYPE_CHECKING:
     from ._epoch import Epoch
@@ -179,9 +179,10 @@ class Consumer:
             # The loader's own errors are fatal (a crash, the timeout, closed, superseded).
             self._done = True
             ep.fail(exc)
-            if not isinstance(exc, LoaderTimeoutError):
-                # After a timeout a worker thread may be stuck in user code: do not wait for it
-                # here (aclose() does).
+            if isinstance(exc, WorkerCrashedError):
+                # Dead workers are gone in moments: as torch, raise once they are. After a
+                # timeout, or when another task closed the loader, a thread may be stuck in
+                # user code: do not wait for it here (aclose() does).
                 await ep.wait_cleanup()
             raise
         except Exception:

@@ -288,6 +288,15 @@ class AsyncDataLoader(Generic[_T_co]):
         """
         if self._state is _State.CLOSED:
             raise _closed_error()
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # This process is a spawn/forkserver worker still importing the main module: the
+            # script iterates a loader at import time. Say so in one line here, before the start
+            # fails deep inside multiprocessing with a long traceback per worker.
+            raise RuntimeError(
+                "aioloader: a loader is iterated while a worker process imports the main module "
+                "(spawn/forkserver start methods re-import it in every worker); create and "
+                "iterate loaders only under `if __name__ == '__main__':`"
+            )
         if self.pin_memory and self.pin_memory_device:
             warnings.warn(
                 "pin_memory_device is deprecated, the current accelerator will be used as the "

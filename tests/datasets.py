@@ -270,3 +270,114 @@ class HangOnceDataset(PidDataset):
                 pass
             time.sleep(60)
         return super().__getitem__(i)
+
+
+# ------------------------------------------------------------------ hardening / chaos helpers
+
+
+class SlowPidDataset(PidDataset):
+    """Sample is (index, pid); each sample sleeps ``delay`` seconds first."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
+def die_in_init_once(armed: str, worker_id: int) -> None:
+    """A worker_init_fn (bind ``armed`` with functools.partial): once the file ``armed`` exists,
+    exactly one worker that starts after that dies in its init (a native crash or OOM kill during
+    start-up); every other worker starts normally."""
+    if os.path.exists(armed):
+        try:
+            fd = os.open(armed + ".claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        os._exit(7)
+
+
+class GatedDataset(RangeDataset):
+    """Indices below ``open_below`` load at once; the others block until the file ``gate`` exists
+    (at most ``limit`` seconds), so a consumer can be made to wait in ``__anext__`` for as long
+    as a test needs and released at once by creating the file."""
+
+    def __init__(self, n: int, open_below: int, gate: str, limit: float = 30.0) -> None:
+        super().__init__(n)
+        self.open_below = open_below
+        self.gate = gate
+        self.limit = limit
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i >= self.open_below:
+            deadline = time.monotonic() + self.limit
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return super().__getitem__(i)
+
+
+class SlowUnpickleDataset(RangeDataset):
+    """Takes ``delay`` seconds to unpickle in any process other than the one that made it (a big
+    dataset, or one that opens files or indexes when it is rebuilt in a worker)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+        self.home_pid = os.getpid()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if os.getpid() != self.home_pid:
+            time.sleep(self.delay)
+
+
+class UnpickleAbort(BaseException):
+    """A BaseException (not an Exception) raised while a result is rebuilt in the main process."""
+
+
+def _rebuild_abort_in(pid: int, value: int) -> Any:
+    if os.getpid() == pid:
+        raise UnpickleAbort(f"cannot rebuild sample {value} here")
+    return value
+
+
+class AbortOnReceive:
+    """Pickles fine in a worker; rebuilding it in process ``pid`` raises :class:`UnpickleAbort`."""
+
+    def __init__(self, pid: int, value: int) -> None:
+        self.pid = pid
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_abort_in, (self.pid, self.value))
+
+
+class AbortOnReceiveDataset(RangeDataset):
+    """Sample ``bad`` comes back as an object whose unpickling in this process raises a
+    BaseException; the others are ``tensor([i])``."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.main_pid = os.getpid()
+
+    def __getitem__(self, i: int) -> Any:
+        if i == self.bad:
+            return AbortOnReceive(self.main_pid, i)
+        return super().__getitem__(i)
+
+
+class SlowPickleDataset(RangeDataset):
+    """Takes ``delay`` seconds to pickle (a big dataset: spawn/forkserver pickle it in the main
+    process before any worker starts)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getstate__(self) -> dict[str, Any]:
+        time.sleep(self.delay)
+        return self.__dict__
