@@ -312,6 +312,9 @@ def raise_remote(err: _worker.RemoteError) -> None:
         )
     if not (isinstance(exc_type, type) and issubclass(exc_type, Exception)):
         exc_type = RuntimeError  # SystemExit & co. in the consumer would end the event loop
+    if err.type_name != "RuntimeError" and err.exc_msg.startswith(f"Caught {err.type_name} "):
+        # A SystemExit & co. the worker already described in full (RemoteError.capture).
+        raise RuntimeError(err.exc_msg)
     wrapper = ExceptionWrapper.__new__(ExceptionWrapper)
     wrapper.exc_type = exc_type
     wrapper.exc_msg = err.exc_msg
