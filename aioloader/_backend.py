@@ -103,6 +103,12 @@ class ThreadBackend:
             )
         try:
             data: Any = Direct(self._fetcher.fetch(indices))
+        except StopAsyncIteration:
+            # Raised to the consumer it would read as the end of the epoch: a silent truncation.
+            raise RuntimeError(
+                "the Dataset or the collate_fn raised StopAsyncIteration; raise IndexError for a "
+                "bad index instead"
+            ) from None
         except StopIteration:
             if self._kind != _DatasetKind.Iterable:
                 raise RuntimeError(

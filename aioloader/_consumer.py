@@ -121,12 +121,14 @@ class Consumer:
 
     async def aclose(self) -> None:
         """Stop the device stage and drop the batches it prepared. Called by the cleanup."""
-        if self._feed_task is not None:
-            await asyncio.wait([self._feed_task])
-        if self._stage is not None:
-            await self._stage.aclose()
-        while not self._ready.empty():
-            self._ready.get_nowait()
+        try:
+            if self._feed_task is not None:
+                await asyncio.wait([self._feed_task])
+        finally:  # also when cancelled (asyncio.run exiting): the thread must not outlive us
+            if self._stage is not None:
+                await self._stage.aclose()
+            while not self._ready.empty():
+                self._ready.get_nowait()
 
     # --------------------------------------------------------------------- consuming
 
@@ -172,8 +174,8 @@ class Consumer:
             raise
         except StopAsyncIteration:
             self._done = True
-            ep.end(Phase.FINISHED)
-            await ep.wait_cleanup()  # as torch: the workers are gone when the loop ends
+            if ep.end(Phase.FINISHED):
+                await ep.wait_cleanup()  # as torch: the workers are gone when the loop ends
             raise
         except AioLoaderError as exc:
             # The loader's own errors are fatal (a crash, the timeout, closed, superseded).

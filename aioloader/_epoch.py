@@ -35,6 +35,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import connection as mp_connection
 from typing import TYPE_CHECKING, Any
 
 from . import _transport, _worker
@@ -158,8 +159,9 @@ class Epoch:
         self.resumed.set()  # a scheduler waiting for a recovery wakes and sees the end
         self._ended.set()
         self._unwatch()
-        if reason is not None:
-            self.reorder.fail(reason)
+        # Wake a consumer waiting in the reorder buffer: with the reason, or with the end when
+        # the consumer's own side ended the epoch (the iterator's aclose() from another task).
+        self.reorder.fail(reason if reason is not None else StopAsyncIteration())
         self.consumer.on_end(reason)
         current = asyncio.current_task() if loop is not None else None
         for task in (self._start_task, self._sched_task, self.recovery.task):
@@ -193,10 +195,16 @@ class Epoch:
                 Phase.ENDED,
                 EpochEndedError(f"epoch {self.epoch_no} ended because its event loop shut down"),
             )
-            cleanup = self._cleanup_task
-            while cleanup is not None and not cleanup.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([cleanup])
+            waits = [t for t in [self._cleanup_task] if t is not None]
+            # The loop is going away: persistent workers cannot serve another epoch on it.
+            pool = self.loader._persistent_pool
+            if pool is not None:
+                self.loader._persistent_pool_retired(pool)
+                waits.append(asyncio.ensure_future(pool.shutdown(graceful=False)))
+            for task in waits:
+                while not task.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([task])
             raise
 
     def fail(self, exc: BaseException) -> None:
@@ -215,12 +223,21 @@ class Epoch:
         healthy = self.phase is Phase.FINISHED or (
             self.phase is Phase.ENDED and self._ended_from is Phase.RUNNING
         )
+        if healthy and self._worker_died():
+            healthy = False  # a death not handled yet: the next epoch must not inherit it
         if healthy:
             self.loader._persistent_pool_kept(busy=bool(self.in_flight))
             self.backend = None  # the loader keeps it
         else:
             self.loader._persistent_pool_retired(self.backend)
             self.owns_backend = True
+
+    def _worker_died(self) -> bool:
+        """Whether a worker of the current backend has exited (its sentinel is readable)."""
+        if self.backend is None:
+            return False
+        sentinels = self.backend.sentinels()
+        return bool(sentinels) and bool(mp_connection.wait(sentinels, timeout=0))
 
     def _end_without_loop(self, phase: Phase) -> None:
         """The loop is not running (closed, or gone): release what can be released now."""
@@ -247,6 +264,8 @@ class Epoch:
             await self.consumer.aclose()
         except asyncio.CancelledError as exc:
             cancelled = exc
+        except Exception:  # releasing the workers below matters more
+            _logger.exception("aioloader: stopping the device stage failed")
         self.reorder.drain()  # decoded batches: dropping them frees their shared memory
         try:
             await self._release_backend()
@@ -356,12 +375,20 @@ class Epoch:
         if isinstance(exc, BrokenProcessPool):
             self.recovery.on_crash(gen)
             return
-        if self.in_flight.pop(send_idx, None) is None:
+        flight = self.in_flight.pop(send_idx, None)
+        if flight is None:
             return
         if exc is not None:
             self.reorder.put(send_idx, Failure(exc))
             return
         res: _worker.Result = received
+        if isinstance(res.data, Lost) and self._worker_died():
+            # The batch's shared memory went with a worker that died just after sending it:
+            # that is a crash (its sentinel callback may simply not have run yet), and the
+            # batch is loaded again like every other one in flight.
+            self.in_flight[send_idx] = flight
+            self.recovery.on_crash(gen)
+            return
         self.loader._busy_s += res.busy_s
         if isinstance(res.data, _worker.Exhausted):
             self.consumer.worker_exhausted(res.data.worker_id)
@@ -402,6 +429,10 @@ class Epoch:
         self._unwatch()
 
 
+class Lost(Failure):
+    """A batch whose shared memory could not be received: a crash if its worker is dead."""
+
+
 def emfile_error(exc: BaseException) -> RuntimeError:
     err = RuntimeError(
         "Too many open files: each batch in shared memory holds a file descriptor until it is "
@@ -427,12 +458,13 @@ def receive(fut: Future[Any]) -> Any:
         return res
     try:
         return res._replace(data=Direct(_transport.loads_result(res.data)))
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, EOFError) as exc:
         # At the descriptor limit, receiving a batch's fd fails with EMFILE, or with
         # multiprocessing's "received 0 items of ancdata" when the fd was dropped.
         if getattr(exc, "errno", None) == errno.EMFILE or "ancdata" in str(exc):
             return res._replace(data=Failure(emfile_error(exc)))
-        return res._replace(data=Failure(exc))
+        # Otherwise the worker that holds the batch's memory may have died after sending it.
+        return res._replace(data=Lost(exc))
     except Exception as exc:
         return res._replace(data=Failure(exc))
     except BaseException as exc:  # e.g. SystemExit from a custom type's unpickling

@@ -15,6 +15,7 @@ import asyncio
 import collections.abc
 import enum
 import functools
+import logging
 import multiprocessing
 import os
 import threading
@@ -87,6 +88,9 @@ class LoaderStats(NamedTuple):
     worker_restarts: int
     #: Seconds from the latest epoch's first request to its first batch (None before one arrived).
     time_to_first_batch_s: float | None
+
+
+_logger = logging.getLogger(__name__)
 
 
 class _State(enum.Enum):
@@ -376,10 +380,14 @@ class AsyncDataLoader(Generic[_T_co]):
         cancelled: asyncio.CancelledError | None = None
         # asyncio.wait, not gather: a cancellation here must not cancel the cleanups.
         while self._cleanups:
+            tasks = list(self._cleanups)
             try:
-                await asyncio.wait(list(self._cleanups))
+                await asyncio.wait(tasks)
             except asyncio.CancelledError as exc:  # asyncio.run exiting: finish regardless
                 cancelled = exc
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    _logger.error("aioloader: an epoch's cleanup failed", exc_info=task.exception())
         pool, self._persistent_pool = self._persistent_pool, None
         if pool is not None:
             try:
@@ -511,11 +519,7 @@ class _EpochIterator(Generic[_B]):
         return self
 
     def __anext__(self) -> Coroutine[Any, Any, _B]:
-        # A plain method returning the epoch's coroutine, not a coroutine method: an error's
-        # traceback then holds no frame that references this iterator. A notebook keeps the
-        # last traceback (sys.last_traceback); once the cell's `async for` let go of the
-        # iterator, __del__ below still runs and releases the workers.
-        return self._epoch.consumer.next()
+        return _next(self, self._epoch.consumer.next())
 
     async def aclose(self) -> None:
         """End this epoch now: cancel outstanding work and release its workers."""
@@ -527,6 +531,20 @@ class _EpochIterator(Generic[_B]):
         epoch = getattr(self, "_epoch", None)
         if epoch is not None:
             epoch.end(Phase.ENDED)
+
+
+async def _next(iterator: _EpochIterator[Any], step: Coroutine[Any, Any, Any]) -> Any:
+    """One ``__anext__``: the iterator stays alive while it runs, but not in a traceback.
+
+    ``anext(aiter(loader))`` holds the iterator only through this frame, so it must not be
+    freed (and the epoch ended) before the batch arrives. An error's traceback, though, keeps
+    this frame, and a notebook keeps the last traceback (``sys.last_traceback``): the reference
+    is dropped before the error leaves, so an interrupted or failed cell releases its workers.
+    """
+    try:
+        return await step
+    finally:
+        del iterator
 
 
 def _closed_error() -> LoaderClosedError:

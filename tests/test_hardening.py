@@ -1102,3 +1102,66 @@ async def test_base_exception_while_rebuilding_a_result_does_not_lose_the_batch(
         await close(loader)
     assert out[:3] == [0, 1, 2], out
     assert len(out) == 4 and "UnpickleAbort" in str(out[3]), out
+
+
+# ------------------------------------------------------- found by review of the redesign itself
+
+
+class _StopAsyncInGetitem(datasets.RangeDataset):
+    def __getitem__(self, i: int) -> Any:
+        if i == 3:
+            raise StopAsyncIteration("from the dataset")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_anext_of_a_fresh_iterator_returns_the_first_batch_like_next_iter(
+    num_workers: int,
+) -> None:
+    """torch's `next(iter(loader))`: the iterator is a temporary that nothing else holds."""
+    ds = datasets.RangeDataset(10)
+    want = next(iter(DataLoader(ds, batch_size=2)))
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=num_workers) as loader:
+        got = await bounded(anext(aiter(loader)), 30, "first batch")
+        assert torch.equal(got, want)
+        task = asyncio.create_task(anext(aiter(loader)))  # the same, scheduled as a task
+        assert torch.equal(await bounded(task, 30, "first batch, as a task"), want)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_iterator_aclose_from_another_task_wakes_its_waiting_consumer(
+    tmp_path: Path, num_workers: int
+) -> None:
+    gate = tmp_path / "gate"
+    loader = AsyncDataLoader(
+        datasets.GatedDataset(40, open_below=2, gate=str(gate)),
+        batch_size=2,
+        num_workers=num_workers,
+    )
+    closing: asyncio.Task[None] | None = None
+    try:
+        it = aiter(loader)
+        await bounded(anext(it), 30, "first batch")
+        waiter = asyncio.create_task(anext(it))  # batch 1 never comes
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        closing = asyncio.create_task(it.aclose())  # with num_workers=0 it waits for the thread
+        done, _ = await asyncio.wait([waiter], timeout=3)
+        assert waiter in done, "the waiting consumer was never woken"
+        assert isinstance(waiter.exception(), StopAsyncIteration), repr(waiter.exception())
+    finally:
+        gate.touch()  # releases a thread stuck in __getitem__ (num_workers=0)
+        if closing is not None:
+            await bounded(closing, 20, "iterator aclose()")
+        await close(loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_stop_async_iteration_from_getitem_is_an_error_not_the_end(
+    num_workers: int,
+) -> None:
+    async with AsyncDataLoader(
+        _StopAsyncInGetitem(8), batch_size=2, num_workers=num_workers
+    ) as loader:
+        with pytest.raises(RuntimeError, match="StopAsyncIteration"):
+            await collect(loader, 30)
