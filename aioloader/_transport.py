@@ -80,7 +80,9 @@ def _is_plain_cpu_tensor(t: torch.Tensor) -> bool:
 def _reduce_result_tensor(t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     nbytes = t.numel() * t.element_size()
     if nbytes < INLINE_TENSOR_BYTES and _is_plain_cpu_tensor(t):
-        c = t.contiguous()
+        # A conjugated or negated view is lazy: its memory holds the values before the flip, and
+        # contiguous() keeps the flag. Materialise it, or the raw bytes would be wrong.
+        c = t.resolve_conj().resolve_neg().contiguous()
         data = ctypes.string_at(c.data_ptr(), nbytes) if nbytes else b""
         return _rebuild_inline_tensor, (data, t.dtype, tuple(t.shape))
     # Large or special tensors: torch's own reduction, which moves the storage into shared memory

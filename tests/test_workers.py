@@ -196,3 +196,26 @@ async def test_workers_run_at_lower_priority_by_default() -> None:
         assert got == {min(19, expected)}
     with pytest.raises(ValueError, match="worker_nice"):
         AsyncDataLoader(datasets.RangeDataset(2), worker_nice=20)
+
+
+class _LazyViews(torch.utils.data.Dataset[Any]):
+    """Samples that are conjugated / negated views: their memory holds the unflipped values."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        z = torch.tensor([complex(i, i + 1), complex(-i, 2)])
+        return {"conj": z.conj(), "neg": z.conj().imag}
+
+
+async def test_conjugated_and_negated_views_arrive_with_their_values() -> None:
+    want = list(torch.utils.data.DataLoader(_LazyViews(), batch_size=None))
+    async with AsyncDataLoader(
+        _LazyViews(), batch_size=None, num_workers=2, multiprocessing_context="fork"
+    ) as loader:
+        got = await collect(loader)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g["conj"], w["conj"].resolve_conj())
+        assert torch.equal(g["neg"], w["neg"].resolve_neg())
