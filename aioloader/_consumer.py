@@ -31,6 +31,7 @@ from . import _worker
 from ._backend import Direct
 from ._device import DeviceStage
 from ._errors import AioLoaderError, EpochEndedError, LoaderTimeoutError, WorkerCrashedError
+from ._phase import Phase
 
 if TYPE_CHECKING:
     from ._epoch import Epoch
@@ -139,8 +140,6 @@ class Consumer:
         return type(reason)(*reason.args)  # a fresh one: re-raising adds to its traceback
 
     async def next(self) -> Any:
-        from ._epoch import Phase
-
         ep = self._epoch
         loader = ep.loader
         if self._done or ep.phase is Phase.ENDED:

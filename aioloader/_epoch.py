@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import errno
 import logging
 import threading
@@ -42,6 +41,7 @@ from . import _transport, _worker
 from ._backend import Backend, Direct
 from ._consumer import Consumer, Failure
 from ._errors import EpochEndedError
+from ._phase import TERMINAL, Phase
 from ._recovery import Recovery
 from ._reorder import ReorderBuffer
 from ._scheduler import Flight, run_scheduler
@@ -53,18 +53,6 @@ __all__ = ("Epoch", "Phase")
 
 _logger = logging.getLogger(__name__)
 
-
-class Phase(enum.Enum):
-    CREATED = "created"  # made by __aiter__; nothing started
-    STARTING = "starting"  # workers starting, off the loop
-    RUNNING = "running"  # scheduler submitting, results arriving
-    RECOVERING = "recovering"  # a worker died: the recovery task replaces them; no submissions
-    FINISHED = "finished"  # terminal: the consumer received the end
-    FAILED = "failed"  # terminal: a fatal error waits for the consumer; workers released
-    ENDED = "ended"  # terminal: ended early (break, GC, cancellation, superseded, aclose)
-
-
-TERMINAL = frozenset({Phase.FINISHED, Phase.FAILED, Phase.ENDED})
 
 _ALLOWED = {
     Phase.CREATED: {Phase.STARTING},
@@ -158,7 +146,7 @@ class Epoch:
         self.end_reason = reason if phase is Phase.ENDED else None
         self.resumed.set()  # a scheduler waiting for a recovery wakes and sees the end
         self._ended.set()
-        self._unwatch()
+        self.unwatch()
         # Wake a consumer waiting in the reorder buffer: with the reason, or with the end when
         # the consumer's own side ended the epoch (the iterator's aclose() from another task).
         self.reorder.fail(reason if reason is not None else StopAsyncIteration())
@@ -406,7 +394,7 @@ class Epoch:
         result larger than the pipe buffer leaves the executor's thread waiting for the rest of
         it, forever. Watching the processes directly does not depend on that thread.
         """
-        self._unwatch()
+        self.unwatch()
         if self.backend is None or self.loop is None:
             return
         gen = self.generation
@@ -414,7 +402,7 @@ class Epoch:
             self.loop.add_reader(fd, self._on_sentinel, gen)
             self._watched.append(fd)
 
-    def _unwatch(self) -> None:
+    def unwatch(self) -> None:
         loop = self.loop
         for fd in self._watched:
             if loop is not None and not loop.is_closed():
@@ -422,11 +410,8 @@ class Epoch:
         self._watched.clear()
 
     def _on_sentinel(self, gen: int) -> None:
-        self._unwatch()  # a finished process's sentinel stays readable
+        self.unwatch()  # a finished process's sentinel stays readable
         self.recovery.on_crash(gen)
-
-    def unwatch(self) -> None:
-        self._unwatch()
 
 
 class Lost(Failure):

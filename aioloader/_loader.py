@@ -32,9 +32,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from . import _transport, _worker
 from ._backend import Backend, ThreadBackend
 from ._device import DeviceStage
-from ._epoch import Epoch, Phase
+from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
 from ._executor import WorkerPool
+from ._phase import Phase
 
 __all__ = ("AsyncDataLoader", "LoaderStats")
 

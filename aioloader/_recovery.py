@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import PoisonBatchError, WorkerCrashedError
 from ._executor import CrashReport
+from ._phase import Phase
 from ._threads import run_off_loop
 
 if TYPE_CHECKING:
@@ -52,8 +53,6 @@ class Recovery:
 
     def on_crash(self, gen: int) -> None:
         """A worker of generation ``gen`` died (sentinel or ``BrokenProcessPool``)."""
-        from ._epoch import Phase
-
         ep = self._epoch
         if gen != ep.generation or ep.terminal:
             return  # stale (already handled) or nothing left to recover
@@ -67,8 +66,6 @@ class Recovery:
         self.task = loop.create_task(self._run(), name=f"aioloader-recovery:{ep.epoch_no}")
 
     async def _run(self) -> None:
-        from ._epoch import Phase
-
         ep = self._epoch
         try:
             while True:
