@@ -66,6 +66,7 @@ class Consumer:
         self._feed_task: asyncio.Task[None] | None = None
         self._slots: asyncio.Semaphore | None = None
         self._ready: asyncio.Queue[Any] = asyncio.Queue()
+        self._ready_waits = 0
         # The reference-holding guard: the batch delivered last stays referenced until the
         # consumer asks for the next one, so its device memory is freed only after the consumer
         # has queued all its work on it (see _device.py).
@@ -155,7 +156,14 @@ class Consumer:
                 ep.fail(exc)
                 raise
             self._last_delivered = None
+            waits = self._waits()
             value = await self._next_with_timeout()
+            if self._waits() == waits:
+                # The batch was already buffered, so nothing yielded to the event loop: give the
+                # loop's other callbacks (a service's requests) a turn before the loop body runs,
+                # or a consumer working through a full buffer would starve them for as many
+                # batches. Cancelled here, the epoch ends as when cancelled while waiting.
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling() == 0 and ep.terminal:
@@ -204,6 +212,12 @@ class Consumer:
             self._last_delivered = value
         return value
 
+    def _waits(self) -> int:
+        """Times the consumer's source made it wait (it yielded to the loop each time)."""
+        if self._stage is None:
+            return self._epoch.reorder.waits
+        return self._ready_waits
+
     async def _next_with_timeout(self) -> Any:
         timeout = self._epoch.loader.timeout
         if timeout <= 0:
@@ -225,6 +239,8 @@ class Consumer:
             item = await self._epoch.reorder.get()
             self._epoch.permits.release()
             return self._decode(item)
+        if self._ready.empty():
+            self._ready_waits += 1
         ready = await self._ready.get()
         assert self._slots is not None
         self._slots.release()

@@ -283,7 +283,9 @@ class Epoch:
         ends and its cleanup (awaited by ``aclose()``) releases them once they are up.
         """
         if self._start_task is None:
-            self.loop = asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
+            self.loader._check_loop(loop, "start an epoch")
+            self.loop = loop
             self.loop_thread = threading.get_ident()
             self.started_at = time.perf_counter()
             self.loader._note_first_request(self.started_at)

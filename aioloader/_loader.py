@@ -18,6 +18,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import warnings
@@ -220,7 +221,10 @@ class AsyncDataLoader(Generic[_T_co]):
         # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
         self._persistent_pool_busy = False
         self._persistent_seed: int | None = None
+        # A lock belongs to one event loop: a loader used by consecutive asyncio.run() calls
+        # gets a fresh one on each loop.
         self._pool_lock: asyncio.Lock | None = None
+        self._pool_lock_loop: asyncio.AbstractEventLoop | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # epochs' cleanups; aclose() waits
         self._initialized = True
         # stats
@@ -276,6 +280,7 @@ class AsyncDataLoader(Generic[_T_co]):
     # -------------------------------------------------------------------------------- lifecycle
 
     async def __aenter__(self) -> AsyncDataLoader[_T_co]:
+        _running_loop("use an AsyncDataLoader")
         if self._state is _State.CLOSED:
             raise _closed_error()
         return self
@@ -348,6 +353,23 @@ class AsyncDataLoader(Generic[_T_co]):
     def _epoch_ended(self, epoch: Epoch) -> None:
         self._epochs.discard(epoch)
 
+    def _check_loop(self, loop: asyncio.AbstractEventLoop, what: str) -> None:
+        """Refuse to run on ``loop`` while an epoch of this loader runs on another live loop.
+
+        Consecutive loops (one ``asyncio.run`` after another) are fine: every epoch belongs to
+        the loop that started it and ends with it. Two loops at once (threads) are not: epochs
+        and ``aclose()`` would wait on each other's tasks across loops.
+        """
+        for epoch in list(self._epochs):
+            other = epoch.loop
+            if other is not None and other is not loop and not other.is_closed():
+                raise RuntimeError(
+                    f"aioloader: cannot {what} on this event loop while epoch {epoch.epoch_no} of "
+                    "the same AsyncDataLoader is running on another event loop (another thread's "
+                    "asyncio.run()). A loader serves one event loop at a time: finish or "
+                    "aclose() it on the first loop, or create one loader per event loop."
+                )
+
     def _track_cleanup(self, task: asyncio.Task[None]) -> None:
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
@@ -364,6 +386,7 @@ class AsyncDataLoader(Generic[_T_co]):
         this await is cancelled the shutdown goes on, and a later ``aclose()`` waits for it.
         """
         if self._closing is None:
+            self._check_loop(_running_loop("aclose() an AsyncDataLoader"), "aclose() the loader")
             self._state = _State.CLOSED
             for epoch in list(self._epochs):
                 epoch.end(
@@ -456,8 +479,9 @@ class AsyncDataLoader(Generic[_T_co]):
             return backend, True
         if not self._persistent:
             return await self._new_pool(epoch.base_seed), True
-        if self._pool_lock is None:
-            self._pool_lock = asyncio.Lock()
+        loop = asyncio.get_running_loop()
+        if self._pool_lock is None or self._pool_lock_loop is not loop:
+            self._pool_lock, self._pool_lock_loop = asyncio.Lock(), loop
         async with self._pool_lock:
             if self._persistent_pool is None:
                 self._persistent_pool = await self._new_pool(epoch.base_seed)
@@ -511,10 +535,16 @@ class AsyncDataLoader(Generic[_T_co]):
 
 
 class _EpochIterator(Generic[_B]):
-    """What ``async for`` holds. Dropping it (``break``) ends the epoch and frees its workers."""
+    """What ``async for`` holds. Dropping it (``break``) ends the epoch and frees its workers.
+
+    One task at a time may await ``__anext__``, as with an async generator: a second concurrent
+    call raises ``RuntimeError`` (two tasks that each want every batch each run their own
+    ``async for``; to share one epoch's batches, hand them out through an ``asyncio.Queue``).
+    """
 
     def __init__(self, epoch: Epoch) -> None:
         self._epoch = epoch
+        self._awaited = False
 
     def __aiter__(self) -> _EpochIterator[_B]:
         return self
@@ -543,9 +573,45 @@ async def _next(iterator: _EpochIterator[Any], step: Coroutine[Any, Any, Any]) -
     is dropped before the error leaves, so an interrupted or failed cell releases its workers.
     """
     try:
+        _running_loop("iterate an AsyncDataLoader")
+    except RuntimeError:
+        step.close()
+        raise
+    if iterator._awaited:
+        step.close()
+        raise RuntimeError(
+            "aioloader: __anext__ is already being awaited on this epoch's iterator by another "
+            "task; one iterator serves one consumer at a time. For every batch in each task, give "
+            "each task its own `async for batch in loader` (without persistent workers, epochs "
+            "run side by side); to split one epoch's batches between tasks, have one task "
+            "iterate and put them on an asyncio.Queue."
+        )
+    iterator._awaited = True
+    try:
         return await step
     finally:
+        iterator._awaited = False
         del iterator
+
+
+def _running_loop(what: str) -> asyncio.AbstractEventLoop:
+    """The running asyncio loop, or a RuntimeError saying the loader needs one."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    where = "no asyncio event loop is running"
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+            where = "this code runs under trio (or anyio's trio backend)"
+        except RuntimeError:
+            pass
+    raise RuntimeError(
+        f"aioloader: cannot {what}: {where}. The loader needs an asyncio event loop: "
+        "asyncio.run(), uvloop, anyio.run(..., backend='asyncio') or a notebook's top-level await."
+    ) from None
 
 
 def _closed_error() -> LoaderClosedError:

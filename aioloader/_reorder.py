@@ -40,6 +40,8 @@ class ReorderBuffer(Generic[_T]):
         self._released = 0  # items released + indices skipped
         self._end: int | None = None
         self._failure: BaseException | None = None
+        #: How many times get() had to wait: the consumer tells from it whether it yielded.
+        self.waits = 0
 
     def __len__(self) -> int:
         """Items buffered and not yet released."""
@@ -132,4 +134,5 @@ class ReorderBuffer(Generic[_T]):
             if self._done():
                 raise StopAsyncIteration
             self._arrived.clear()
+            self.waits += 1
             await self._arrived.wait()

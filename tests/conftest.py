@@ -8,7 +8,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -20,6 +20,27 @@ import torch
 from tests import datasets
 
 START_METHODS = ["fork", "spawn", "forkserver"]
+
+#: Event loops the tests marked ``loops`` run under (pytest-asyncio's loop-factory hook: no
+#: event-loop policy, which Python 3.14 deprecates). uvloop is an optional extra.
+LOOP_FACTORIES: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop
+}
+try:
+    import uvloop as _uvloop
+except ImportError:  # pragma: no cover - the dev extra installs it
+    pass
+else:
+    LOOP_FACTORIES["uvloop"] = _uvloop.new_event_loop
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Main behaviour tests (marked ``loops``) run once per event loop; the rest on asyncio's."""
+    if item.get_closest_marker("loops") is not None:
+        return LOOP_FACTORIES
+    return {"asyncio": asyncio.new_event_loop}
 
 
 def worker_processes() -> set[int]:

@@ -26,6 +26,7 @@ from tests.conftest import collect, worker_processes
 _worker_pids = worker_processes
 
 
+@pytest.mark.loops
 async def test_each_async_for_is_one_epoch_and_workers_stop_between_epochs() -> None:
     async with AsyncDataLoader(datasets.PidDataset(10), batch_size=5, num_workers=2) as loader:
         first = await collect(loader)
@@ -60,6 +61,7 @@ async def test_persistent_workers_are_reused_and_released_at_aclose(start_method
     assert not _worker_pids()
 
 
+@pytest.mark.loops
 @pytest.mark.parametrize("persistent", [False, True])
 async def test_break_ends_the_epoch_and_frees_workers(persistent: bool) -> None:
     async with AsyncDataLoader(
@@ -77,6 +79,7 @@ async def test_break_ends_the_epoch_and_frees_workers(persistent: bool) -> None:
     assert [int(x) for b in got for x in b.flatten()] == list(range(200))
 
 
+@pytest.mark.loops
 async def test_exception_in_loop_body_cleans_up() -> None:
     loader = AsyncDataLoader(datasets.SlowDataset(100, 0.005), batch_size=2, num_workers=2)
     with pytest.raises(ZeroDivisionError):
@@ -86,6 +89,7 @@ async def test_exception_in_loop_body_cleans_up() -> None:
                     1 / 0  # noqa: B018
 
 
+@pytest.mark.loops
 @pytest.mark.parametrize("where", ["before-first-batch", "mid-epoch", "during-start"])
 async def test_cancelling_the_consumer_cleans_up(where: str) -> None:
     loader = AsyncDataLoader(
@@ -112,6 +116,7 @@ async def test_cancelling_the_consumer_cleans_up(where: str) -> None:
                 await task
 
 
+@pytest.mark.loops
 async def test_timeout_around_the_loop_cleans_up() -> None:
     async with AsyncDataLoader(datasets.SlowDataset(100, 0.01), num_workers=2) as loader:
         with pytest.raises(TimeoutError):
@@ -120,6 +125,7 @@ async def test_timeout_around_the_loop_cleans_up() -> None:
                     pass
 
 
+@pytest.mark.loops
 async def test_aclose_during_iteration_from_another_task() -> None:
     loader = AsyncDataLoader(datasets.SlowDataset(100, 0.01), batch_size=2, num_workers=2)
     it = aiter(loader)
@@ -131,6 +137,7 @@ async def test_aclose_during_iteration_from_another_task() -> None:
         await anext(it)
 
 
+@pytest.mark.loops
 async def test_a_second_epoch_runs_beside_an_unfinished_one_without_persistent_workers() -> None:
     # torch without persistent workers: two iterators are independent, each with its workers.
     async with AsyncDataLoader(datasets.RangeDataset(20), batch_size=4, num_workers=2) as loader:
@@ -145,6 +152,7 @@ async def test_a_second_epoch_runs_beside_an_unfinished_one_without_persistent_w
     assert rest == [list(range(i, i + 4)) for i in range(4, 20, 4)]
 
 
+@pytest.mark.loops
 async def test_a_new_epoch_ends_an_unfinished_one_loudly_with_persistent_workers() -> None:
     async with AsyncDataLoader(
         datasets.RangeDataset(20), batch_size=4, num_workers=2, persistent_workers=True

@@ -50,6 +50,7 @@ MAP_CASES: list[Any] = [
 ]
 
 
+@pytest.mark.loops
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("kwargs", MAP_CASES)
 async def test_map_style_matches_torch(num_workers: int, kwargs: dict[str, Any]) -> None:
@@ -65,6 +66,7 @@ async def test_map_style_matches_torch(num_workers: int, kwargs: dict[str, Any])
     assert got == expected
 
 
+@pytest.mark.loops
 @pytest.mark.parametrize("num_workers", [0, 2])
 async def test_shuffle_with_generator_matches_torch_over_epochs(num_workers: int) -> None:
     ds = datasets.RangeDataset(50)
@@ -79,6 +81,7 @@ async def test_shuffle_with_generator_matches_torch_over_epochs(num_workers: int
     assert got[0] != got[1]  # reshuffled each epoch
 
 
+@pytest.mark.loops
 async def test_shuffle_persistent_workers_matches_torch() -> None:
     ds = datasets.RangeDataset(30)
     kw: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
@@ -115,6 +118,7 @@ async def test_every_start_method_delivers_in_order(start_method: str) -> None:
         assert _norm(await collect(loader)) == expected
 
 
+@pytest.mark.loops
 async def test_out_of_order_delivers_every_sample_once() -> None:
     ds = datasets.SlowDataset(40, 0.002)
     async with AsyncDataLoader(ds, batch_size=2, num_workers=2, in_order=False) as loader:
@@ -123,6 +127,7 @@ async def test_out_of_order_delivers_every_sample_once() -> None:
     assert counts == Counter(range(40))
 
 
+@pytest.mark.loops
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 @pytest.mark.parametrize("drop_last", [False, True])
 async def test_iterable_matches_torch(num_workers: int, drop_last: bool) -> None:
