@@ -1,0 +1,144 @@
+"""Request latency of examples/service.py while it trains, against the same app without training
+and with torch's DataLoader used through ``asyncio.to_thread``.
+
+Run: python examples/service_latency.py [--runs 3] [--requests 400] [--gap-ms 5] [--all]
+
+Each configuration starts the service in its own process on a free loopback port, waits until
+training is under way, then sends ``--requests`` sequential prediction requests ``--gap-ms``
+apart over one keep-alive connection and records each one's latency; training throughput is
+the service's own step count over the same window. Configurations alternate run by run, so a
+change in the machine's load hits all of them alike. ``--all`` adds the training step on the
+event loop (for aioloader and for torch), the pattern that does not reach the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+SERVICE = Path(__file__).resolve().parent / "service.py"
+
+#: name -> service.py arguments
+CONFIGS: dict[str, list[str]] = {
+    "no training": ["--loader", "none"],
+    "aioloader, step on a thread": ["--loader", "aioloader", "--train-step", "thread"],
+    "torch via to_thread, step on a thread": ["--loader", "torch", "--train-step", "thread"],
+}
+EXTRA: dict[str, list[str]] = {
+    "aioloader, step on the loop": ["--loader", "aioloader", "--train-step", "loop"],
+    "torch via to_thread, step on the loop": ["--loader", "torch", "--train-step", "loop"],
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+async def measure(args: argparse.Namespace, service_args: list[str]) -> dict[str, float]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(SERVICE),
+        "--port",
+        "0",
+        *service_args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=str(SERVICE.parent.parent)),
+    )
+    assert proc.stdout is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        if not line.startswith("serving on "):
+            raise RuntimeError(f"the service did not start: {line!r}")
+        base = line.split()[2]
+        training = "none" not in service_args
+        x = [i / 16 for i in range(16)]
+        async with aiohttp.ClientSession() as http:
+
+            async def status() -> dict[str, Any]:
+                async with http.get(f"{base}/status") as r:
+                    return dict(await r.json())
+
+            if training:  # warm: workers up, first batches trained on
+                async with asyncio.timeout(120):
+                    while (await status())["steps"] < args.warmup_steps:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)  # polling another process: no event to await
+            before, t0 = await status(), time.perf_counter()
+            latencies = []
+            for _ in range(args.requests):
+                start = time.perf_counter()
+                async with http.post(f"{base}/predict", json={"x": x}) as r:
+                    r.raise_for_status()
+                    await r.read()
+                latencies.append((time.perf_counter() - start) * 1000)
+                await asyncio.sleep(args.gap_ms / 1000)
+            after, t1 = await status(), time.perf_counter()
+        return {
+            "p50_ms": percentile(latencies, 0.50),
+            "p99_ms": percentile(latencies, 0.99),
+            "max_ms": max(latencies),
+            "batches_per_s": (after["steps"] - before["steps"]) / (t1 - t0),
+        }
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 60)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def main(args: argparse.Namespace) -> None:
+    configs = dict(CONFIGS, **EXTRA) if args.all else CONFIGS
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    for run in range(args.runs):
+        for name, service_args in configs.items():
+            extra = ["--workers", str(args.workers), "--batch-size", str(args.batch_size)]
+            r = await measure(args, service_args + extra)
+            results[name].append(r)
+            print(
+                f"run {run + 1}  {name:<40} p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms"
+                f"  max {r['max_ms']:6.1f} ms  {r['batches_per_s']:6.1f} batches/s",
+                flush=True,
+            )
+    print(f"\nmedian of {args.runs} runs, {args.requests} requests {args.gap_ms} ms apart each:")
+    print(f"{'configuration':<40} {'p50 ms':>8} {'p99 ms':>8} {'batches/s':>10}   p99 per run")
+    for name, rs in results.items():
+        p50 = statistics.median(r["p50_ms"] for r in rs)
+        p99 = statistics.median(r["p99_ms"] for r in rs)
+        bps = statistics.median(r["batches_per_s"] for r in rs)
+        each = ", ".join(f"{r['p99_ms']:.1f}" for r in rs)
+        print(f"{name:<40} {p50:8.2f} {p99:8.2f} {bps:10.1f}   {each}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))  # noqa: ASYNC240 (at exit)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--gap-ms", type=float, default=5.0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--all", action="store_true", help="also the training step on the loop")
+    p.add_argument("--json", help="write every run's figures to this file")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))

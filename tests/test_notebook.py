@@ -1,0 +1,86 @@
+"""examples/notebook.ipynb executed by a real Jupyter kernel (nbclient + ipykernel), as a user
+runs it; and a cell interrupted in the middle of an epoch, then run again.
+
+The kernel is driven from a process of its own (tests/notebook_driver.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+pytest.importorskip("tqdm")
+pytest.importorskip("matplotlib")
+nbformat = pytest.importorskip("nbformat")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _drive(mode: str, out: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.notebook_driver", mode, str(out)],
+        cwd=ROOT,
+        env=dict(
+            os.environ, PYTHONPATH=str(ROOT), MPLBACKEND="module://matplotlib_inline.backend_inline"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def _outputs(cell: Any, kind: str) -> list[Any]:
+    return [o for o in cell.get("outputs", []) if o.get("output_type") == kind]
+
+
+def test_notebook_runs_in_a_jupyter_kernel_under_every_start_method(tmp_path: Path) -> None:
+    out = tmp_path / "executed.ipynb"
+    _drive("run", out)
+    nb = nbformat.read(out, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in _outputs(c, "error")]
+    assert not errors, errors
+    stdout = "".join(
+        o["text"] for c in code for o in _outputs(c, "stream") if o["name"] == "stdout"
+    )
+    stderr = "".join(
+        o["text"] for c in code for o in _outputs(c, "stream") if o["name"] == "stderr"
+    )
+    for method in ("fork", "spawn", "forkserver"):
+        assert f"{method}: 64 batches, final loss" in stdout, stdout
+        # The progress bar: the right total (len(loader)) and both epochs run to the end.
+        for epoch in (0, 1):
+            assert f"{method} epoch {epoch}: 100%" in stderr and "32/32" in stderr, stderr[-2000:]
+    assert "identical losses under fork, spawn and forkserver: True" in stdout, stdout
+    # The loss went down (the model learned from the batches), in the printed final losses.
+    final = [float(line.rsplit(" ", 1)[1]) for line in stdout.splitlines() if "final loss" in line]
+    assert len(final) == 3 and all(v < 0.2 for v in final), final
+    plots = [o for c in code for o in _outputs(c, "display_data") if "image/png" in o["data"]]
+    assert len(plots) == 1
+
+
+def test_interrupting_a_cell_mid_epoch_releases_the_workers_and_the_cell_runs_again(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "report.json"
+    _drive("interrupt", out)
+    report = json.loads(out.read_text())
+    assert report["workers_before_interrupt"] >= 2, report
+    # IPython turns the interrupt of a top-level await into the task's cancellation.
+    assert report["interrupted_error"] in (["KeyboardInterrupt"], ["CancelledError"]), report
+    assert "/64" in report["interrupted_cell"] and "64/64" not in report["interrupted_cell"]
+    assert report["workers_after_interrupt"] == 0, report
+    assert "batches after the interrupt: 32" in report["rerun_cell"], report
+    assert report["workers_after_rerun"] == 0, report
+    if psutil.pid_exists(report["kernel_pid"]):
+        _, alive = psutil.wait_procs([psutil.Process(report["kernel_pid"])], timeout=10)
+        assert not alive, "the kernel outlived its client"
