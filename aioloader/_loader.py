@@ -239,7 +239,8 @@ class AsyncDataLoader(Generic[_T_co]):
     # ---------------------------------------------------------------- torch-compatible attributes
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if getattr(self, "_initialized", False) and name in _TORCH_ATTRS:
+        # `name in` first: the loader's own counters are set on the loop for every batch.
+        if name in _TORCH_ATTRS and getattr(self, "_initialized", False):
             if name in _FROZEN_ATTRS:
                 raise ValueError(
                     f"{name} attribute should not be set after {type(self).__name__} is initialized"

@@ -93,7 +93,10 @@ class Trainer:
         self.model = make_model()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
         self.snapshot_every = snapshot_every
-        self.serving = self._snapshot(0)
+        # Two frozen copies: requests read one while the training thread refreshes the other
+        # (in-place copies, no allocation), then one assignment swaps them.
+        self._copies = [self._frozen(copy.deepcopy(self.model)) for _ in range(2)]
+        self.serving: tuple[torch.nn.Module, int] = (self._copies[0], 0)
         self.steps = 0
         self.epochs = 0
         self.loss = float("nan")
@@ -107,8 +110,13 @@ class Trainer:
             p.requires_grad_(False)
         return model
 
-    def _snapshot(self, version: int) -> tuple[torch.nn.Module, int]:
-        return self._frozen(copy.deepcopy(self.model)), version
+    def _publish(self, version: int) -> None:
+        idle = self._copies[1] if self.serving[0] is self._copies[0] else self._copies[0]
+        with torch.no_grad():
+            for dst, src in zip(idle.parameters(), self.model.parameters(), strict=True):
+                dst.copy_(src)
+        # One attribute assignment: a request sees the old snapshot or the new one.
+        self.serving = (idle, version)
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         """One optimizer step. Runs on the training thread (or the loop, with --train-step loop)."""
@@ -121,8 +129,7 @@ class Trainer:
         self.steps += 1
         self.last_step_at = time.perf_counter()
         if self.steps % self.snapshot_every == 0:
-            # One attribute assignment: a request sees the old snapshot or the new one.
-            self.serving = self._snapshot(self.steps)
+            self._publish(self.steps)
 
     def predict(self, x: torch.Tensor) -> tuple[float, int]:
         model, version = self.serving
@@ -209,6 +216,8 @@ def make_app(trainer: Trainer) -> web.Application:
 
 async def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the loop, the training thread and the workers share the CPUs
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1000)
     trainer = Trainer()
     runner = web.AppRunner(make_app(trainer), handle_signals=False)
     await runner.setup()
@@ -267,6 +276,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--work-ms", type=float, default=0.3, help="CPU time per sample in a worker")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval() in ms: how long another thread may hold the GIL while the "
+        "loop waits for it (Python's default: 5)",
+    )
     return p.parse_args(argv)
 
 

@@ -1034,14 +1034,15 @@ MAIN_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_dataset_in_an_unguarded_main_module_under_spawn_fails_at_once_with_its_cause(
-    tmp_path: Path,
+    tmp_path: Path, method: str
 ) -> None:
     """New-user finding: a script without ``if __name__ == "__main__":`` under spawn. Each worker
     re-runs the script and fails while starting; that start-up error surfaces at once, with its
     cause, and no worker restart is attempted (no pile of restart warnings)."""
     script = tmp_path / "train.py"
-    script.write_text(MAIN_SCRIPT)
+    script.write_text(MAIN_SCRIPT.replace('"spawn"', repr(method)))
     t0 = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, str(script)],
@@ -1069,6 +1070,8 @@ def test_dataset_in_an_unguarded_main_module_under_spawn_fails_at_once_with_its_
     # The cause: the worker's own start-up error (multiprocessing's "bootstrapping phase" advice
     # about the `if __name__ == '__main__':` idiom).
     assert "bootstrapping" in top[0] or "__main__" in top[0], detail
+    # ... and what to add, in the error the script's own code catches.
+    assert "only under `if __name__ == '__main__':`" in top[0], detail
     assert took < 30, detail
 
 
