@@ -1,14 +1,16 @@
 """Request latency of examples/service.py while it trains, against the same app without training
 and with torch's DataLoader used through ``asyncio.to_thread``.
 
-Run: python examples/service_latency.py [--runs 3] [--requests 400] [--gap-ms 5] [--all]
+Run: python examples/service_latency.py [--runs 3] [--requests 400] [--gap-ms 5]
+                                        [--configs none,aio-thread,...] [-- SERVICE ARGS]
 
 Each configuration starts the service in its own process on a free loopback port, waits until
 training is under way, then sends ``--requests`` sequential prediction requests ``--gap-ms``
 apart over one keep-alive connection and records each one's latency; training throughput is
 the service's own step count over the same window. Configurations alternate run by run, so a
-change in the machine's load hits all of them alike. ``--all`` adds the training step on the
-event loop (for aioloader and for torch), the pattern that does not reach the target.
+change in the machine's load hits all of them alike. ``--configs`` picks them: by default no
+training, aioloader and torch with the training step on a thread; ``aio-loop`` and ``torch-loop``
+run the step on the event loop instead, the pattern that does not reach the target.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ import aiohttp
 
 SERVICE = Path(__file__).resolve().parent / "service.py"
 
-#: name -> service.py arguments
-CONFIGS: dict[str, list[str]] = {
-    "no training": ["--loader", "none"],
-    "aioloader, step on a thread": ["--loader", "aioloader", "--train-step", "thread"],
-    "torch via to_thread, step on a thread": ["--loader", "torch", "--train-step", "thread"],
+#: key -> (name, service.py arguments)
+CONFIGS: dict[str, tuple[str, list[str]]] = {
+    "none": ("no training", ["--loader", "none"]),
+    "aio-thread": ("aioloader, step on a thread", ["--loader", "aioloader"]),
+    "torch-thread": ("torch via to_thread, step on a thread", ["--loader", "torch"]),
+    "aio-loop": ("aioloader, step on the loop", ["--loader", "aioloader", "--train-step", "loop"]),
+    "torch-loop": (
+        "torch via to_thread, step on the loop",
+        ["--loader", "torch", "--train-step", "loop"],
+    ),
 }
-EXTRA: dict[str, list[str]] = {
-    "aioloader, step on the loop": ["--loader", "aioloader", "--train-step", "loop"],
-    "torch via to_thread, step on the loop": ["--loader", "torch", "--train-step", "loop"],
-}
+DEFAULT = "none,aio-thread,torch-thread"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -103,12 +107,16 @@ async def measure(args: argparse.Namespace, service_args: list[str]) -> dict[str
 
 
 async def main(args: argparse.Namespace) -> None:
-    configs = dict(CONFIGS, **EXTRA) if args.all else CONFIGS
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    keys = [k.strip() for k in args.configs.split(",")]
+    unknown = [k for k in keys if k not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown --configs {unknown}; choose from {', '.join(CONFIGS)}")
+    results: dict[str, list[dict[str, float]]] = {CONFIGS[k][0]: [] for k in keys}
     for run in range(args.runs):
-        for name, service_args in configs.items():
+        for key in keys:
+            name, service_args = CONFIGS[key]
             extra = ["--workers", str(args.workers), "--batch-size", str(args.batch_size)]
-            r = await measure(args, service_args + extra)
+            r = await measure(args, service_args + extra + args.service_args)
             results[name].append(r)
             print(
                 f"run {run + 1}  {name:<40} p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms"
@@ -135,8 +143,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--all", action="store_true", help="also the training step on the loop")
+    p.add_argument(
+        "--configs",
+        default=DEFAULT,
+        help=f"comma list from {', '.join(CONFIGS)} (default {DEFAULT}); the *-loop ones run the "
+        "training step on the event loop, the pattern that does not reach the target",
+    )
     p.add_argument("--json", help="write every run's figures to this file")
+    p.add_argument("service_args", nargs="*", help="more arguments for service.py (after --)")
     return p.parse_args(argv)
 
 

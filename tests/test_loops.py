@@ -7,6 +7,7 @@ through pytest-asyncio's loop-factory hook in conftest.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,39 @@ def test_one_loader_on_two_running_loops_at_once_raises(tmp_path: Path) -> None:
 def test_ref_is_torchs() -> None:
     got = list(torch.utils.data.DataLoader(RANGE, batch_size=4))
     assert _lists(got) == REF
+
+
+# ------------------------------------------------------------------- the loop gets its turns
+
+
+@pytest.mark.loops
+async def test_buffered_batches_are_handed_over_with_a_loop_turn_between_them() -> None:
+    """A consumer working through a full buffer yields to the loop between batches, so other
+    tasks (a service's requests) are not held up for the whole buffer."""
+    async with AsyncDataLoader(
+        datasets.RangeDataset(64), batch_size=4, num_workers=2, prefetch_factor=2
+    ) as loader:
+        it = aiter(loader)
+        await anext(it)
+        reorder = it._epoch.reorder  # type: ignore[attr-defined]
+        async with asyncio.timeout(30):
+            while len(reorder) < 4:  # every batch in flight has arrived: the buffer is full
+                await asyncio.sleep(0.01)
+        turns = 0
+
+        async def other_task() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(other_task())
+        await asyncio.sleep(0)
+        seen = []
+        for _ in range(4):
+            await anext(it)  # already buffered
+            seen.append(turns)
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+    assert len(set(seen)) == 4, f"the other task ran only at turns {seen}"
