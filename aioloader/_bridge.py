@@ -66,8 +66,9 @@ class _Portal:
 # The portal of each bridged loader, weakly keyed: a collected loader's finalizer stops it.
 _portals: weakref.WeakKeyDictionary[AsyncDataLoader[Any], _Portal] = weakref.WeakKeyDictionary()
 _portals_lock = threading.Lock()
-# loader -> its bridge, so loader.sync() returns one object (a weak value: no reference cycle).
-_bridges: weakref.WeakKeyDictionary[AsyncDataLoader[Any], SyncDataLoader[Any]] = (
+# loader -> its bridge, so loader.sync() returns one object while it lives (the bridge holds
+# its loader: a strong value here would keep the loader alive for ever).
+_bridges: weakref.WeakKeyDictionary[AsyncDataLoader[Any], weakref.ref[SyncDataLoader[Any]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -119,9 +120,11 @@ class SyncDataLoader(TorchAttributes, Generic[_B]):
     @classmethod
     def _of(cls, loader: AsyncDataLoader[_B]) -> SyncDataLoader[_B]:
         with _portals_lock:
-            bridge = _bridges.get(loader)
+            ref = _bridges.get(loader)
+            bridge = ref() if ref is not None else None
             if bridge is None:
-                bridge = _bridges[loader] = cls(loader)
+                bridge = cls(loader)
+                _bridges[loader] = weakref.ref(bridge)
         return bridge
 
     def _torch_loader(self) -> DataLoader[Any]:
