@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import signal
 import subprocess
@@ -163,7 +164,7 @@ def test_plain_for_names_async_for_and_the_bridge() -> None:
 
 async def test_bridge_refuses_inside_a_running_loop() -> None:
     loader = AsyncDataLoader(datasets.RangeDataset(4), batch_size=2)
-    with pytest.raises(RuntimeError, match="event loop is running in this thread.*async for"):
+    with pytest.raises(RuntimeError, match=r"event loop is running in this thread.*async for"):
         iter(loader.sync())
     assert bridge_threads() == []
     async with loader:  # the loader itself is untouched
@@ -191,9 +192,9 @@ def test_trio_is_refused_with_a_clear_error() -> None:
         async with loader:
             pass
 
-    with pytest.raises(RuntimeError, match="needs an asyncio event loop.*running here: trio"):
+    with pytest.raises(RuntimeError, match=r"needs an asyncio event loop.*running here: trio"):
         anyio.run(use, backend="trio")
-    with pytest.raises(RuntimeError, match="needs an asyncio event loop.*running here: none"):
+    with pytest.raises(RuntimeError, match=r"needs an asyncio event loop.*running here: none"):
         aiter(loader)
 
 
@@ -235,7 +236,5 @@ def test_unclosed_bridge_in_a_script_exits_cleanly(tmp_path: Path) -> None:
     pids = [int(p) for p in proc.stdout.split()]
     assert pids
     for pid in pids:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"worker {pid} lives"
-        except psutil.NoSuchProcess:
-            pass
