@@ -101,6 +101,8 @@ class Start:
     #: Generator states at the epoch's start, by role ("loader", "sampler").
     generators: dict[str, torch.Tensor | str] = field(default_factory=dict)
     base_seed: int | None = None
+    #: The epoch drew ``base_seed`` (persistent workers draw it only for their first epoch).
+    seed_drawn: bool = False
     #: A stock RandomSampler without a generator: the seed it drew from the global RNG.
     sampler_seed: int | None = None
     #: A custom sampler: the global torch RNG just before its ``iter()``.
@@ -125,6 +127,7 @@ class Start:
         return {
             "generators": {k: _text(v) for k, v in self.generators.items()},
             "base_seed": self.base_seed,
+            "seed_drawn": self.seed_drawn,
             "sampler_seed": self.sampler_seed,
             "global_rng": None if self.global_rng is None else _text(self.global_rng),
             "sampler_state": copy.deepcopy(self.sampler_state),
@@ -136,6 +139,7 @@ class Start:
         return cls(
             generators=dict(d.get("generators") or {}),
             base_seed=d.get("base_seed"),
+            seed_drawn=bool(d.get("seed_drawn", False)),
             sampler_seed=d.get("sampler_seed"),
             global_rng=d.get("global_rng"),
             sampler_state=copy.deepcopy(d.get("sampler_state")),
