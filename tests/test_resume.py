@@ -429,16 +429,18 @@ async def test_iterable_resume_needs_the_same_num_workers() -> None:
 
 
 async def test_iterable_resume_under_spawn() -> None:
-    def make() -> AsyncDataLoader[Any]:
-        return AsyncDataLoader(
+    """The dataset states travel to spawned workers (saved under fork, resumed under spawn)."""
+
+    def make(method: str) -> Make:
+        return lambda: AsyncDataLoader(
             rd.Counting(15),
             2,
             num_workers=2,
-            multiprocessing_context="spawn",
+            multiprocessing_context=method,
             persistent_workers=True,
         )
 
-    await round_trip(make, 3)
+    await round_trip(make("fork"), 3, resume_make=make("spawn"))
 
 
 async def test_bad_states_are_refused_clearly() -> None:
