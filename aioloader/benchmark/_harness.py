@@ -30,7 +30,6 @@ def spin(seconds: float) -> None:
         pass
 
 
-
 # --------------------------------------------------------------------------------------------
 # Results
 # --------------------------------------------------------------------------------------------
@@ -331,4 +330,3 @@ def simple(
     kwargs = loader_kwargs(cfg, batch_size)
     res = alternate(cfg, lambda n: run_once(n, ds, kwargs, warmup))
     return throughput_rows(workload, label, res, unit)
-

@@ -96,4 +96,3 @@ def write_plot(rows: Sequence[Row], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
-

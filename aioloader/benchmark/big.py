@@ -31,7 +31,6 @@ class BigDataset(Dataset[torch.Tensor]):
         return torch.full((3, 224, 224), float(i))
 
 
-
 def bench_big(cfg: Config) -> list[Row]:
     warmup = 3
     batches = plan(cfg, 40, 15)
@@ -67,4 +66,3 @@ def bench_big(cfg: Config) -> list[Row]:
         note="informational: what the loader itself adds",
     )
     return [*rows, peak, delta]
-

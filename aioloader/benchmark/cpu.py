@@ -48,7 +48,6 @@ class JpegDataset(Dataset[torch.Tensor]):
         return torch.from_numpy(arr.copy())
 
 
-
 def bench_cpu(cfg: Config) -> list[Row]:
     jpeg = make_jpeg()
     rows = simple(
@@ -56,4 +55,3 @@ def bench_cpu(cfg: Config) -> list[Row]:
     )
     ratio_check(rows[0], ">=", 1.0)
     return rows
-

@@ -58,4 +58,3 @@ def bench_device(cfg: Config) -> list[Row]:
     rows = throughput_rows("device", " (batch 64, 38.5 MB to cuda)", res)
     ratio_check(rows[0], ">=", 1.0)
     return rows
-

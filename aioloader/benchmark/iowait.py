@@ -31,9 +31,7 @@ class SleepDataset(Dataset[torch.Tensor]):
         return torch.tensor([i])
 
 
-
 def bench_io(cfg: Config) -> list[Row]:
     rows = simple(cfg, "io", SleepDataset, 32, plan(cfg, 16, 6), 2, label=" (batch 32)")
     ratio_check(rows[0], ">=", 1.0)
     return rows
-

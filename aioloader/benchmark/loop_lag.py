@@ -143,4 +143,3 @@ def bench_loop_lag(cfg: Config) -> list[Row]:
         floor.passed = a <= f + 1.0
     rows.append(floor)
     return rows
-

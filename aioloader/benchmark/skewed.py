@@ -44,7 +44,6 @@ class SkewedDataset(Dataset[torch.Tensor]):
         return torch.tensor([i])
 
 
-
 def bench_skewed(cfg: Config) -> list[Row]:
     warmup = 8
     batches = plan(cfg, 128, 48)
@@ -74,4 +73,3 @@ def bench_skewed(cfg: Config) -> list[Row]:
     )
     ratio_check(mixed, ">=", 1.3)
     return [*rows, *rows_u, mixed]
-

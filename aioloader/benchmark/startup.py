@@ -48,7 +48,6 @@ class StartupDataset(Dataset[tuple[str, int]]):
         return self.items[i]
 
 
-
 # --- start-up: each measurement in a fresh process -----------------------------------------
 #
 # A fresh interpreter per measurement costs ~3 s (import torch, build the 1.2M-entry list) and
@@ -241,4 +240,3 @@ def bench_startup(cfg: Config) -> list[Row]:
         row.passed = None if e is None else e < 10.0
         rows.append(row)
     return rows
-

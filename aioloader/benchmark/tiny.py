@@ -27,7 +27,6 @@ class TinyDataset(Dataset[torch.Tensor]):
         return torch.full((16,), float(i))
 
 
-
 def bench_tiny(cfg: Config) -> list[Row]:
     rows: list[Row] = []
     for bs, full, quick in ((1, 600, 200), (64, 400, 120)):
@@ -44,4 +43,3 @@ def bench_tiny(cfg: Config) -> list[Row]:
         ratio_check(got[0], ">=", 1.5)
         rows += got
     return rows
-

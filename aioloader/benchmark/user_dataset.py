@@ -48,4 +48,3 @@ def bench_dataset(cfg: Config) -> list[Row]:
     rows = throughput_rows("dataset", label, res)
     rows.insert(1, throughput_rows("dataset", label, res, unit="batches")[0])
     return rows
-
