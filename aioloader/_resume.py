@@ -124,12 +124,17 @@ class Start:
         return None if state is None else _tensor(state)
 
     def to_dict(self) -> dict[str, Any]:
+        # Encoded once: the states of a started epoch never change, and state_dict() may be
+        # called after every batch.
+        self.generators = {k: _text(v) for k, v in self.generators.items()}
+        if self.global_rng is not None:
+            self.global_rng = _text(self.global_rng)
         return {
-            "generators": {k: _text(v) for k, v in self.generators.items()},
+            "generators": dict(self.generators),
             "base_seed": self.base_seed,
             "seed_drawn": self.seed_drawn,
             "sampler_seed": self.sampler_seed,
-            "global_rng": None if self.global_rng is None else _text(self.global_rng),
+            "global_rng": self.global_rng,
             "sampler_state": copy.deepcopy(self.sampler_state),
             "sampler_epoch": self.sampler_epoch,
         }
