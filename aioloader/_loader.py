@@ -107,9 +107,11 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             send_idx)``, so the same ``generator`` gives bit-identical batches for any
             ``num_workers`` and after a resume, and in-order loading may use one shared queue
             (a slow batch no longer holds up the batches queued behind it on its worker).
-        rank, world_size: This process's place in data-parallel training, shown to workers as
-            ``get_worker_info().rank``/``.world_size`` (for sharding an ``IterableDataset``).
-            Default: ``torch.distributed``'s when it is initialised, else 0 and 1.
+        rank: This process's place in data-parallel training, shown to workers as
+            ``get_worker_info().rank`` (for sharding an ``IterableDataset``). Give it with
+            ``world_size``. Default: ``torch.distributed``'s when it is initialised, else 0.
+        world_size: The number of data-parallel processes, shown to workers as
+            ``get_worker_info().world_size``. Default: ``torch.distributed``'s, else 1.
 
     Example::
 
