@@ -406,7 +406,7 @@ async def test_worker_seeding_stays_torchs() -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 async def test_iterable_resumes_per_worker(dataset: Any, workers: int) -> None:
     if dataset is rd.DatasetLevelState and workers:
-        pytest.skip("a dataset-level position is one per process: shown with num_workers=0")
+        pytest.skip("this dataset does not shard by worker: every worker would yield it all")
 
     def make() -> AsyncDataLoader[Any]:
         return AsyncDataLoader(
