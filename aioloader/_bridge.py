@@ -19,7 +19,7 @@ import concurrent.futures
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Self
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ("SyncDataLoader",)
 
 _B = TypeVar("_B", default=Any)
+_R = TypeVar("_R")
 
 
 class _Portal:
@@ -145,6 +146,26 @@ class SyncDataLoader(TorchAttributes, Generic[_B]):
     def stats(self) -> LoaderStats:
         """The loader's :meth:`~aioloader.AsyncDataLoader.stats`."""
         return self._loader.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's :meth:`~aioloader.AsyncDataLoader.state_dict`, taken on its loop."""
+        return self._on_loop(self._loader.state_dict)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The loader's :meth:`~aioloader.AsyncDataLoader.load_state_dict`: the next epoch
+        continues where ``state`` stood."""
+        self._on_loop(self._loader.load_state_dict, state)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The loader's :meth:`~aioloader.AsyncDataLoader.set_epoch`."""
+        self._on_loop(self._loader.set_epoch, epoch)
+
+    def _on_loop(self, fn: Callable[..., _R], *args: object) -> _R:
+        # On the loader's loop thread while one runs, so nothing races an epoch in progress.
+        portal = _portals.get(self._loader)
+        if portal is None or portal.on_portal_thread():
+            return fn(*args)
+        return portal.portal.call(fn, *args)
 
     def __iter__(self) -> Iterator[_B]:
         """Start an epoch on the loader's event loop thread."""

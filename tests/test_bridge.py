@@ -160,6 +160,25 @@ def test_keyboard_interrupt_ends_the_epoch_and_the_loader_goes_on(tmp_path: Path
         assert len(list(loader)) == 6
 
 
+def test_state_dict_resumes_a_synchronous_epoch() -> None:
+    ds = datasets.RangeDataset(20)
+
+    def make() -> SyncDataLoader[Any]:
+        gen = torch.Generator().manual_seed(3)
+        return AsyncDataLoader(ds, batch_size=3, shuffle=True, generator=gen, num_workers=2).sync()
+
+    with make() as reference:
+        full = flat(list(reference))
+    with make() as loader:
+        it = iter(loader)
+        head = [next(it).flatten().tolist() for _ in range(3)]
+        state = loader.state_dict()
+        del it
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert head + flat(list(resumed)) == full
+
+
 def test_closed_loader_refuses_without_starting_a_thread() -> None:
     loader = AsyncDataLoader(datasets.RangeDataset(4), batch_size=2)
     asyncio.run(loader.aclose())
