@@ -240,10 +240,13 @@ class _SyncEpoch(Generic[_B]):
             if not future.done():  # KeyboardInterrupt while waiting: the epoch ends, as in torch
                 future.cancel()
                 self.close()
-                raise
-            if not isinstance(exc, Exception):
+            elif not isinstance(exc, Exception):
                 self.close()
-            raise  # an error in one batch: the epoch goes on for a caller that asks again
+            # An error in one batch: the epoch goes on for a caller that asks again. The
+            # traceback (kept by a REPL or a test runner) must not hold the epoch open, though:
+            # once the caller drops this iterator, its workers are released.
+            del self
+            raise
         if not more:
             self.close()
             raise StopIteration

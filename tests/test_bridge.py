@@ -84,6 +84,29 @@ def test_worker_error_keeps_type_and_traceback_and_the_epoch_goes_on() -> None:
     assert out == [[0, 1], "error", [4, 5], [6, 7]]  # what torch's iterator yields
 
 
+def test_a_killed_worker_is_replaced_and_every_sample_arrives_once(tmp_path: Path) -> None:
+    ds = datasets.ExitOnceDataset(20, bad=7, marker=str(tmp_path / "died"))
+    with AsyncDataLoader(ds, batch_size=2, num_workers=2).sync() as loader:
+        with pytest.warns(RuntimeWarning, match=r"SIGKILL.*send_idx=3.*\[6, 7\]"):
+            got = flat(list(loader))
+        assert loader.stats().worker_restarts == 1
+    assert got == [[i, i + 1] for i in range(0, 20, 2)]
+
+
+def test_an_error_out_of_the_for_loop_releases_the_workers_while_its_traceback_lives() -> None:
+    before = worker_processes()
+    ds = datasets.RaisingDataset(8, bad=2)
+    with AsyncDataLoader(ds, batch_size=2, num_workers=2).sync() as loader:
+        with pytest.raises(ValueError, match="bad sample 2") as info:
+            for _ in loader:
+                pass
+        assert info.tb is not None  # kept, as a REPL keeps sys.last_traceback
+        deadline = time.monotonic() + 30  # the epoch's end is handed to its loop
+        while worker_processes() - before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker_processes() - before == set()
+
+
 def test_break_releases_the_workers_before_the_loop_goes_on() -> None:
     before = worker_processes()
     with AsyncDataLoader(datasets.SlowDataset(40, 0.01), batch_size=2, num_workers=2).sync() as ld:
