@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import TypeVar
 
 from ._attrs import TorchAttributes
+from ._errors import LoaderClosedError
 
 if TYPE_CHECKING:
     from ._loader import AsyncDataLoader, LoaderStats
@@ -230,9 +231,15 @@ class _SyncEpoch(Generic[_B]):
         iterator = self._iterator
         if iterator is None:
             raise StopIteration
-        future: concurrent.futures.Future[tuple[bool, Any]] = (
-            self._portal.portal.start_task_soon(_step, iterator)
-        )
+        try:
+            future: concurrent.futures.Future[tuple[bool, Any]] = (
+                self._portal.portal.start_task_soon(_step, iterator)
+            )
+        except RuntimeError:  # the portal stopped: close() ran while this epoch was open
+            self._iterator = None
+            raise LoaderClosedError(
+                "the loader was closed (close(), or leaving `with`) while this epoch was running"
+            ) from None
         del iterator
         try:
             more, batch = future.result()

@@ -213,6 +213,18 @@ def test_closed_loader_refuses_without_starting_a_thread() -> None:
     assert bridge_threads() == []
 
 
+def test_an_epoch_open_when_the_bridge_closes_says_so() -> None:
+    before = worker_processes()
+    with AsyncDataLoader(datasets.RangeDataset(8), batch_size=2, num_workers=2).sync() as loader:
+        it = iter(loader)
+        assert next(it).flatten().tolist() == [0, 1]
+    assert worker_processes() - before == set() and bridge_threads() == []
+    with pytest.raises(LoaderClosedError, match=r"closed .* while this epoch was running"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
 def test_plain_for_names_async_for_and_the_bridge() -> None:
     loader = AsyncDataLoader(datasets.RangeDataset(4))
     with pytest.raises(TypeError, match=r"async for batch in loader.*loader\.sync\(\)"):
