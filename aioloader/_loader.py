@@ -506,7 +506,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             progress = Progress(
                 pending.epoch,
                 start,
-                Position(pending.position.low, pending.position.above),
+                Position(
+                    pending.position.low, pending.position.above, counting=self._is_iterable
+                ),
                 worker_states=pending.worker_states,
                 last_worker=pending.last_worker,
                 iterable=self._is_iterable,

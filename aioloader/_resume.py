@@ -68,14 +68,23 @@ class Position:
     order, and never more than the batches in flight).
     """
 
-    __slots__ = ("above", "count", "low")
+    __slots__ = ("above", "count", "counting", "low")
 
-    def __init__(self, low: int = 0, above: set[int] | None = None) -> None:
+    def __init__(
+        self, low: int = 0, above: set[int] | None = None, *, counting: bool = False
+    ) -> None:
         self.low = low
         self.above: set[int] = set(above or ())
         self.count = low + len(self.above)
+        # Iterable datasets: a send_idx names no data (and exhausted workers' indices are never
+        # delivered), so only the number received is kept: low == count.
+        self.counting = counting
 
     def mark(self, idx: int) -> None:
+        if self.counting:
+            self.count += 1
+            self.low = self.count
+            return
         if idx < self.low or idx in self.above:
             raise RuntimeError(f"aioloader bug: send_idx {idx} delivered twice")
         self.count += 1
@@ -182,7 +191,7 @@ class Progress:
         #: An iterable batch was delivered with no dataset state to record (no state_dict).
         self.stateless = False
         self.start = start
-        self.position = position if position is not None else Position()
+        self.position = position if position is not None else Position(counting=iterable)
         #: Iterable datasets: worker id -> (target, state) after its last delivered batch.
         self.worker_states: dict[int, Any] = dict(worker_states or {})
         # Exhausted workers are not recorded: after a resume one gets a batch, reports itself
