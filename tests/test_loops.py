@@ -238,7 +238,8 @@ async def test_buffered_batches_are_handed_over_with_a_loop_turn_between_them() 
         await anext(it)
         reorder = it._epoch.reorder  # type: ignore[attr-defined]
         async with asyncio.timeout(30):
-            while len(reorder) < 4:  # every batch in flight has arrived: the buffer is full
+            # Poll the buffer (it offers no event): wait until every batch in flight arrived.
+            while len(reorder) < 4:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
         turns = 0
 
