@@ -102,7 +102,12 @@ class ThreadBackend:
                 self._kind, self._dataset, self._auto_collation, self._collate_fn, self._drop_last
             )
         try:
-            data: Any = Direct(self._fetcher.fetch(indices))
+            if isinstance(indices, _worker.Samples):  # an async source's samples
+                data: Any = Direct(
+                    self._dataset.collate(indices, self._collate_fn, self._auto_collation)
+                )
+            else:
+                data = Direct(self._fetcher.fetch(indices))
         except StopAsyncIteration:
             # Raised to the consumer it would read as the end of the epoch: a silent truncation.
             raise RuntimeError(

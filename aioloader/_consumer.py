@@ -48,6 +48,13 @@ class Failure(NamedTuple):
 _END = object()  # the device feeder's end-of-epoch marker
 
 
+class _Ready(NamedTuple):
+    """A batch the device stage prepared, with its ``send_idx`` (acknowledged once received)."""
+
+    send_idx: int | None
+    value: Any
+
+
 class Consumer:
     """The consuming side of one epoch: ``next()`` is what ``__anext__`` awaits."""
 
@@ -70,6 +77,8 @@ class Consumer:
         # consumer asks for the next one, so its device memory is freed only after the consumer
         # has queued all its work on it (see _device.py).
         self._last_delivered: Any = None
+        # send_idx of the batch the last _next_value() returned (acknowledgements need it).
+        self._received: int | None = None
 
     # --------------------------------------------------------------------- worker choice
 
@@ -155,6 +164,10 @@ class Consumer:
                 ep.fail(exc)
                 raise
             self._last_delivered = None
+            if ep.acks is not None:
+                # The loop body is done with the batch delivered last: acknowledge it now.
+                await self._flush_acks()
+            self._received = None
             value = await self._next_with_timeout()
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -173,6 +186,8 @@ class Consumer:
             raise
         except StopAsyncIteration:
             self._done = True
+            if ep.acks is not None and not ep.terminal:
+                await self._flush_acks()
             if ep.end(Phase.FINISHED):
                 await ep.wait_cleanup()  # as torch: the workers are gone when the loop ends
             raise
@@ -197,12 +212,32 @@ class Consumer:
             loader._wait_s += time.perf_counter() - t0
         if self._yielded == 0 and ep.started_at is not None:
             loader._ttfb = time.perf_counter() - ep.started_at
+        if ep.acks is not None:
+            ep.acks.received(self._received, ok=True)
         self._yielded += 1
         loader._batches += 1
         self._check_iterable_len()
         if self._stage is not None:
             self._last_delivered = value
         return value
+
+    async def _flush_acks(self) -> None:
+        """Acknowledge the batches received so far; a failure to is fatal for the epoch."""
+        ep = self._epoch
+        assert ep.acks is not None
+        try:
+            await ep.acks.flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            exc.add_note(
+                "aioloader: acknowledging delivered batches to the source failed; the epoch "
+                "ends here. Batches not acknowledged are delivered again by an at-least-once "
+                "source when it restarts."
+            )
+            self._done = True
+            ep.fail(exc)
+            raise
 
     async def _next_with_timeout(self) -> Any:
         timeout = self._epoch.loader.timeout
@@ -224,7 +259,9 @@ class Consumer:
         if self._stage is None:
             item = await self._epoch.reorder.get()
             self._epoch.permits.release()
-            return self._decode(item)
+            value = self._decode_acked(item)
+            self._received = _send_idx(item)
+            return value
         ready = await self._ready.get()
         assert self._slots is not None
         self._slots.release()
@@ -232,7 +269,8 @@ class Consumer:
             raise ready.exc
         if ready is _END:
             raise StopAsyncIteration
-        return ready
+        self._received = ready.send_idx
+        return ready.value
 
     async def _feed(self, stage: DeviceStage) -> None:
         """Runs in: a task. reorder buffer -> decode -> device thread -> _ready, in order."""
@@ -252,13 +290,27 @@ class Consumer:
                 self._ready.put_nowait(Failure(exc))
                 return
             ep.permits.release()
+            value: Any
+            sid = _send_idx(item)
             try:
-                value = await stage.process(self._decode(item))
+                value = _Ready(sid, await stage.process(self._decode_acked(item)))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # this batch's error; the epoch goes on, as in torch
+                if ep.acks is not None:
+                    ep.acks.received(sid, ok=False)
                 value = Failure(exc)
             self._ready.put_nowait(value)
+
+    def _decode_acked(self, item: Any) -> Any:
+        """:meth:`_decode`; a batch that raises instead is never acknowledged."""
+        try:
+            return self._decode(item)
+        except BaseException:
+            acks = self._epoch.acks
+            if acks is not None:
+                acks.received(_send_idx(item), ok=False)
+            raise
 
     def _decode(self, item: Any) -> Any:
         if isinstance(item, Failure):
@@ -323,6 +375,10 @@ def raise_remote(err: _worker.RemoteError) -> None:
     if exc_type is RuntimeError and err.type_name != "RuntimeError":
         wrapper.where = f"{err.where} (original type {err.type_name} cannot be rebuilt here)"
     wrapper.reraise()  # type: ignore[no-untyped-call]
+
+
+def _send_idx(item: Any) -> int | None:
+    return item.send_idx if isinstance(item, _worker.Result) else None
 
 
 def _batch_len(value: Any, batch_size: int | None) -> int:

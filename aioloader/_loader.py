@@ -36,6 +36,7 @@ from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
 from ._executor import WorkerPool
 from ._phase import Phase
+from ._stream import StreamInput, check_latency, source_kind
 
 __all__ = ("AsyncDataLoader", "LoaderStats")
 
@@ -120,6 +121,21 @@ class AsyncDataLoader(Generic[_T_co]):
             dies; the batches in flight are resubmitted, so no sample is lost or repeated.
             0 fails at the first crash, as torch does. An index batch that kills its worker twice
             raises :class:`~aioloader.PoisonBatchError` regardless.
+        transform: Async sources only: a picklable callable applied to each sample in the
+            workers (or the ``num_workers=0`` thread) before ``collate_fn``.
+        max_batch_latency: Async iterable sources only: seconds after a batch's first sample
+            arrived at which the batch closes even if it holds fewer than ``batch_size`` samples.
+            ``None`` (the default) closes batches by size alone.
+        source_concurrency: Async map-style datasets: at most this many ``__getitem__`` (or
+            ``__getitems__``) calls run at once on the event loop.
+
+    The dataset may be an **async source**: an async iterable (an ``async def`` generator, an
+    object with ``__aiter__``), read on the event loop and batched by size or time, or a map-style
+    dataset whose ``__getitem__``/``__getitems__`` is ``async def``. The source stays in this
+    process; its samples go to the workers for ``transform`` and ``collate_fn``. A source with an
+    ``ack(samples)`` method (plain or ``async``) is told, batch by batch in delivery order, which
+    samples the consumer received, once the consumer asks for the next batch. See
+    ``docs/streaming.md``.
 
     Example::
 
@@ -153,7 +169,20 @@ class AsyncDataLoader(Generic[_T_co]):
         device_prefetch: int = 2,
         max_worker_restarts: int = 3,
         worker_nice: int = 5,
+        transform: Callable[[Any], Any] | None = None,
+        max_batch_latency: float | None = None,
+        source_concurrency: int = 16,
     ) -> None:
+        stream = _stream_input(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            transform=transform,
+            max_batch_latency=max_batch_latency,
+            source_concurrency=source_concurrency,
+        )
         # torch's own constructor does the validation, picks the default samplers and collate_fn,
         # and starts nothing: workers start only when it is iterated, which we never do.
         torch_loader: DataLoader[Any] = DataLoader(
@@ -201,6 +230,10 @@ class AsyncDataLoader(Generic[_T_co]):
             DeviceStage(pin_memory=pin_memory, device=device, pin_memory_device=pin_memory_device)
         self.device = device
         self.device_prefetch = device_prefetch
+        self.transform = transform
+        self.max_batch_latency = max_batch_latency
+        self.source_concurrency = source_concurrency
+        self._stream = stream
         object.__setattr__(self, "_torch", torch_loader)
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
         # Which worker loads a batch decides its random augmentations (each worker's RNG is one
@@ -258,6 +291,8 @@ class AsyncDataLoader(Generic[_T_co]):
 
     def __len__(self) -> int:
         """Batches per epoch, as ``len()`` of torch's DataLoader (an estimate for iterables)."""
+        if self._stream is not None and self._stream.kind == "iterable":
+            raise TypeError("an async iterable source has no len(): batches close by size or time")
         return len(self._torch)
 
     def __repr__(self) -> str:
@@ -418,7 +453,7 @@ class AsyncDataLoader(Generic[_T_co]):
     def _make_spec(self, base_seed: int) -> _worker.WorkerSpec:
         """Runs in: a helper thread (pickling a large dataset takes a while)."""
         ctx = self._mp_context()
-        objects = (self.dataset, self.collate_fn, self.worker_init_fn)
+        objects = (self._worker_dataset(), self.collate_fn, self.worker_init_fn)
         payload = None
         if ctx.get_start_method() != "fork":
             payload = _transport.dump_payload(objects)
@@ -438,6 +473,13 @@ class AsyncDataLoader(Generic[_T_co]):
             fixed_worker_id=None,
         )
 
+    def _worker_dataset(self) -> Any:
+        """What the workers hold: the dataset, or for an async source its per-sample transform
+        (the source itself stays on the loop and need not pickle)."""
+        if self._stream is not None:
+            return _worker.SampleCollator(self.transform)
+        return self.dataset
+
     async def _new_pool(self, base_seed: int) -> WorkerPool:
         return await WorkerPool.start(
             functools.partial(self._make_spec, base_seed), self._mp_context(), self._pinned_workers
@@ -447,7 +489,7 @@ class AsyncDataLoader(Generic[_T_co]):
         """(backend, owned by the epoch). Persistent workers: the loader's pool, started once."""
         if self.num_workers == 0:
             backend = ThreadBackend(
-                dataset=self.dataset,
+                dataset=self._worker_dataset(),
                 is_iterable=self._is_iterable,
                 auto_collation=self.batch_sampler is not None,
                 collate_fn=self.collate_fn,
@@ -546,6 +588,64 @@ async def _next(iterator: _EpochIterator[Any], step: Coroutine[Any, Any, Any]) -
         return await step
     finally:
         del iterator
+
+
+def _stream_input(
+    dataset: Any,
+    *,
+    batch_size: int | None,
+    shuffle: bool | None,
+    sampler: Any,
+    batch_sampler: Any,
+    transform: Any,
+    max_batch_latency: object,
+    source_concurrency: object,
+) -> StreamInput | None:
+    """Validate the async-source arguments; None when ``dataset`` is not an async source."""
+    kind = source_kind(dataset)
+    _check_int(
+        "source_concurrency",
+        source_concurrency,
+        1,
+        None,
+        "a positive int (async __getitem__ calls run at once)",
+    )
+    latency = check_latency(max_batch_latency)
+    if kind is None:
+        for name, value in (("transform", transform), ("max_batch_latency", latency)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} applies to async sources only (an async iterable, or a dataset "
+                    f"whose __getitem__ is async def), and {type(dataset).__name__} is neither; "
+                    "for a torch Dataset apply it in __getitem__ or collate_fn"
+                )
+        return None
+    if transform is not None and not callable(transform):
+        raise TypeError(f"transform should be a callable applied to each sample, got {transform!r}")
+    if kind == "map" and latency is not None:
+        raise ValueError(
+            "max_batch_latency applies to async iterable sources (a stream); an async map-style "
+            "dataset's batches are fixed by its sampler"
+        )
+    if kind == "iterable":
+        if shuffle:
+            raise ValueError(
+                "shuffle=True cannot apply to an async iterable source: it is a stream, read in "
+                "arrival order and possibly endless, so there is no whole to shuffle. Shuffle "
+                "in the producer, or batch by arrival and shuffle within a batch in collate_fn"
+            )
+        if sampler is not None or batch_sampler is not None:
+            raise ValueError(
+                "sampler and batch_sampler cannot apply to an async iterable source: it has no "
+                "indices (batches are formed by batch_size and max_batch_latency)"
+            )
+    return StreamInput(
+        dataset,
+        kind,
+        max_batch_latency=latency,
+        source_concurrency=int(source_concurrency),  # type: ignore[call-overload]
+        batch_size=batch_size,
+    )
 
 
 def _closed_error() -> LoaderClosedError:
