@@ -22,9 +22,9 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from multiprocessing.context import BaseContext
-from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
+from typing import Any, Generic, NamedTuple, NoReturn, Protocol, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
@@ -38,7 +38,7 @@ from ._executor import WorkerPool
 from ._phase import Phase
 from ._stream import StreamInput, check_latency, source_kind
 
-__all__ = ("AsyncDataLoader", "LoaderStats")
+__all__ = ("AsyncDataLoader", "AsyncMapDataset", "LoaderStats")
 
 _T_co = TypeVar("_T_co", covariant=True)
 _B = TypeVar("_B")
@@ -69,6 +69,14 @@ _TORCH_ATTRS = frozenset(
 _FROZEN_ATTRS = frozenset(
     {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"}
 )
+
+
+class AsyncMapDataset(Protocol[_T_co]):
+    """A map-style dataset whose ``__getitem__`` is ``async def`` (e.g. fetching over HTTP)."""
+
+    def __getitem__(self, index: Any, /) -> Awaitable[_T_co]: ...
+
+    def __len__(self) -> int: ...
 
 
 class LoaderStats(NamedTuple):
@@ -147,7 +155,7 @@ class AsyncDataLoader(Generic[_T_co]):
 
     def __init__(
         self,
-        dataset: Dataset[_T_co],
+        dataset: Dataset[_T_co] | AsyncIterable[_T_co] | AsyncMapDataset[_T_co],
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
@@ -186,7 +194,9 @@ class AsyncDataLoader(Generic[_T_co]):
         # torch's own constructor does the validation, picks the default samplers and collate_fn,
         # and starts nothing: workers start only when it is iterated, which we never do.
         torch_loader: DataLoader[Any] = DataLoader(
-            dataset,
+            # An async source passes torch's checks as a map-style dataset; its sampler is never
+            # iterated (an async map-style dataset's is, and indexes it as torch would).
+            dataset,  # type: ignore[arg-type]
             batch_size=batch_size,
             shuffle=shuffle,
             sampler=sampler,

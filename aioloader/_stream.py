@@ -2,9 +2,10 @@
 
 Replaces the index scheduler (``_scheduler``) when the dataset is an *async source*:
 
-* an **async iterable** (an ``async def`` generator, or any object with ``__aiter__``): samples
-  are pulled one at a time; a window closes when it holds ``batch_size`` samples or when
-  ``max_batch_latency`` seconds have passed since its first sample arrived, whichever comes first;
+* an **async iterable** (an ``async def`` generator, or any object with ``__aiter__``): one reader
+  task drains it into a buffer of ``batch_size`` samples; a window closes when it holds
+  ``batch_size`` samples or when ``max_batch_latency`` seconds have passed since its first sample
+  arrived, whichever comes first;
 * an **async map-style dataset** (``async def __getitem__`` or ``__getitems__``): the sampler's
   index batches are fetched on the loop, at most ``source_concurrency`` calls at a time, several
   batches ahead.
@@ -15,9 +16,9 @@ workers apply ``transform`` per sample and then ``collate_fn``.
 
 Backpressure: a window is opened only with a permit in hand (the same ``max_in_flight`` permits
 the index path uses, returned when the consumer receives a batch), so when the consumer falls
-behind nothing more is pulled. Samples pulled and not yet delivered never exceed
-``max_in_flight * batch_size`` (windows in flight) ``+ batch_size`` (the open window) ``+ 1`` (a
-pull already under way when a window closed by time).
+behind nothing more is read. Samples read and not yet delivered never exceed
+``max_in_flight * batch_size`` (windows in flight, the open one included) ``+ batch_size`` (the
+reader's buffer) ``+ 1`` (the sample the reader holds while the buffer is full).
 
 Acknowledgement: when the source has an ``ack`` method, :class:`Acks` remembers each submitted
 window's samples and calls ``source.ack(samples)`` once per batch, in delivery order, when the
@@ -32,8 +33,8 @@ import asyncio
 import contextlib
 import inspect
 import math
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._consumer import Failure
 from ._sampling import IndexStream
@@ -154,9 +155,35 @@ async def _permit(epoch: Epoch) -> tuple[bool, int | None]:
     return True, wid
 
 
-async def _pull(it: AsyncIterator[Any], loop: asyncio.AbstractEventLoop) -> tuple[Any, float]:
-    sample = await anext(it)
-    return sample, loop.time()
+class _End(NamedTuple):
+    """The reader's last item: the source ran dry (``error`` None) or raised ``error``."""
+
+    error: BaseException | None
+
+
+async def _read(
+    source: Any, buffer: asyncio.Queue[tuple[Any, float] | _End], loop: asyncio.AbstractEventLoop
+) -> None:
+    """Runs in: one task per epoch. Source -> ``buffer`` (bounded), each sample with its arrival.
+
+    Reading in one task and draining the buffer without suspending keeps the cost per sample to
+    a queue put and get; waiting for the source sample by sample cost ~100 us each.
+    """
+    it: Any = None
+    try:
+        it = aiter(source)
+        async for sample in it:
+            await buffer.put((sample, loop.time()))
+    except Exception as exc:  # the source failed: raised at its position in the stream
+        await buffer.put(_End(exc))
+    else:
+        await buffer.put(_End(None))
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            # A source left early (break, cancellation, a crash) releases what it holds now.
+            with contextlib.suppress(Exception):
+                await aclose()
 
 
 async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
@@ -164,49 +191,46 @@ async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
     size = stream.batch_size if stream.batch_size is not None else 1
     latency = stream.max_batch_latency
     drop_last = bool(epoch.loader.drop_last)
+    # At most one window's worth read ahead of the open window: the backpressure bound.
+    buffer: asyncio.Queue[tuple[Any, float] | _End] = asyncio.Queue(maxsize=size)
+    reader = loop.create_task(_read(stream.source, buffer, loop), name="aioloader-source-reader")
     send_idx = 0
-    it: AsyncIterator[Any] | None = None
-    # A pull outlives the window whose deadline passed while it waited: cancelling it would end
-    # an async generator for good. Its sample opens the next window.
-    pull: asyncio.Task[tuple[Any, float]] | None = None
     try:
-        try:
-            it = aiter(stream.source)
-        except Exception as exc:
-            epoch.reorder.put(0, Failure(exc))
-            epoch.reorder.close(1)
-            return
         while True:
             ok, wid = await _permit(epoch)
             if not ok:
                 return
             window = Samples()
             deadline: float | None = None
-            ended = False
-            error: BaseException | None = None
+            end: _End | None = None
             while len(window) < size:
-                if pull is None:
-                    pull = loop.create_task(_pull(it, loop), name="aioloader-source-pull")
-                timeout = None if deadline is None else max(0.0, deadline - loop.time())
-                done, _ = await asyncio.wait([pull], timeout=timeout)
-                if not done:
-                    break  # closed by time
-                task, pull = pull, None
-                try:
-                    sample, arrived = task.result()
-                except StopAsyncIteration:
-                    ended = True
+                if buffer.empty():
+                    if deadline is None:
+                        item = await buffer.get()
+                    else:
+                        remaining = deadline - loop.time()
+                        if remaining <= 0:
+                            break  # closed by time
+                        try:
+                            async with asyncio.timeout(remaining):
+                                item = await buffer.get()  # cancel-safe: nothing is lost
+                        except TimeoutError:
+                            break  # closed by time
+                else:
+                    item = buffer.get_nowait()
+                if isinstance(item, _End):
+                    end = item
                     break
-                except Exception as exc:  # the source failed: raise it at this position
-                    error = exc
-                    break
+                sample, arrived = item
                 window.append(sample)
                 if deadline is None and latency is not None:
                     deadline = arrived + latency
-            if ended and (not window or (drop_last and len(window) < size)):
+            error = end.error if end is not None else None
+            dropped = not window or (drop_last and len(window) < size)
+            if end is not None and error is None and dropped:
                 epoch.permits.release()  # nothing (left) to deliver: drop_last as in torch
                 break
-            await epoch.resumed.wait()  # a crash while pulling pauses submission here
+            await epoch.resumed.wait()  # a crash while reading pauses submission here
             if epoch.terminal:
                 return
             if window:
@@ -219,20 +243,15 @@ async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
             if error is not None:
                 epoch.reorder.put(send_idx, Failure(error))
                 send_idx += 1
-                break
-            if ended:
+            if end is not None:
                 break
         epoch.reorder.close(send_idx)
     finally:
-        if pull is not None and not pull.done():
-            pull.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait([pull])
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            # A source left early (break, cancellation, a crash) releases what it holds now.
-            with contextlib.suppress(Exception):
-                await aclose()
+        if not reader.done():
+            # Ends the source too: an async generator closes when cancelled inside it.
+            reader.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait([reader])
 
 
 async def _run_map(epoch: Epoch, stream: StreamInput) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from aioloader import AsyncDataLoader
+from aioloader._bench_stream import measure_stream
 from tests import stream_sources as ss
 from tests.conftest import collect, torch_batches
 
@@ -275,3 +276,25 @@ async def test_a_worker_killed_by_a_sample_is_replaced_and_nothing_is_lost(tmp_p
         assert loader.stats().worker_restarts == 1
     assert flat(got) == list(range(40))
     assert src.acked == got  # each sample acknowledged exactly once
+
+
+def test_stream_benchmark_measures_both_loaders() -> None:
+    got = measure_stream(
+        rates=[500.0],
+        seconds=0.2,
+        max_events=400,
+        batch_size=16,
+        latency_s=0.01,
+        workers=1,
+        rounds=1,
+        progress=lambda _: None,
+    )
+    assert set(got) == {
+        "p50 latency ms @500/s",
+        "p99 latency ms @500/s",
+        "events/s, unpaced source, aioloader num_workers=1",
+        "events/s, unpaced source, aioloader num_workers=0",
+    }
+    for per_loader in got.values():
+        assert set(per_loader) == {"torch", "aioloader"}
+        assert all(len(v) == 1 and v[0] > 0 for v in per_loader.values())
