@@ -12,6 +12,7 @@ import torch
 
 from aioloader import AsyncDataLoader
 from aioloader._bench_stream import measure_stream
+from tests import datasets
 from tests import stream_sources as ss
 from tests.conftest import collect, torch_batches
 
@@ -298,3 +299,43 @@ def test_stream_benchmark_measures_both_loaders() -> None:
     for per_loader in got.values():
         assert set(per_loader) == {"torch", "aioloader"}
         assert all(len(v) == 1 and v[0] > 0 for v in per_loader.values())
+
+
+async def test_acks_count_receipt_not_device_preparation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fake accelerator turns the device stage on: it prepares batches ahead of the consumer,
+    # and those must not be acknowledged before the consumer has them.
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda")
+    )
+    src = ss.Counting(None)
+    got = []
+    async with AsyncDataLoader(
+        src,
+        batch_size=4,
+        num_workers=1,
+        pin_memory=True,
+        collate_fn=datasets.pinned_batch_collate,
+        device_prefetch=3,
+    ) as loader:
+        async with asyncio.timeout(30):
+            async for batch in loader:
+                assert batch.pinned_by == "aioloader-device_0"
+                got.append(batch.values)
+                for _ in range(100):  # let the device stage run ahead
+                    await asyncio.sleep(0)
+                assert src.acked == got[:-1]
+                if len(got) == 4:
+                    break
+    assert src.acked == got[:3]
+
+
+async def test_each_epoch_reads_a_fresh_stream_on_persistent_workers() -> None:
+    src = ss.Counting(10)
+    async with AsyncDataLoader(
+        src, batch_size=4, num_workers=2, persistent_workers=True, transform=ss.with_worker
+    ) as loader:
+        first = [b["x"].flatten().tolist() for b in await collect(loader)]
+        second = [b["x"].flatten().tolist() for b in await collect(loader)]
+    assert first == second == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert src.acked == first + second
