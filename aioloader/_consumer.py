@@ -48,13 +48,6 @@ class Failure(NamedTuple):
 _END = object()  # the device feeder's end-of-epoch marker
 
 
-class _Ready(NamedTuple):
-    """A batch the device stage prepared, with its ``send_idx`` (acknowledged once received)."""
-
-    send_idx: int | None
-    value: Any
-
-
 class Consumer:
     """The consuming side of one epoch: ``next()`` is what ``__anext__`` awaits."""
 
@@ -64,6 +57,10 @@ class Consumer:
         # Iterable datasets: torch's round-robin over workers that are not exhausted.
         self._active = [True] * workers
         self._next_worker = 0
+        progress = epoch.progress
+        if progress.resume_from is not None and progress.last_worker is not None:
+            # Resuming: the turn passes on from the worker whose batch was delivered last.
+            self._next_worker = (progress.last_worker + 1) % workers
         self._yielded = 0
         # The end or a fatal error was raised once: later calls see StopAsyncIteration.
         self._done = False
@@ -188,7 +185,10 @@ class Consumer:
             self._done = True
             if ep.acks is not None and not ep.terminal:
                 await self._flush_acks()
-            if ep.end(Phase.FINISHED):
+            ended = ep.end(Phase.FINISHED)
+            if ep.phase is Phase.FINISHED:
+                ep.progress.finished = True  # state_dict() now points at the next epoch
+            if ended:
                 await ep.wait_cleanup()  # as torch: the workers are gone when the loop ends
             raise
         except AioLoaderError as exc:
@@ -256,11 +256,15 @@ class Consumer:
 
     async def _next_value(self) -> Any:
         """The next batch, decoded (and pinned/moved when the device stage is on)."""
+        ep = self._epoch
         if self._stage is None:
-            item = await self._epoch.reorder.get()
-            self._epoch.permits.release()
-            value = self._decode_acked(item)
-            self._received = _send_idx(item)
+            item = await ep.reorder.get()
+            ep.permits.release()
+            idx = ep.reorder.last_idx
+            wid, state = _origin(item)
+            ep.progress.delivered(idx, wid, state)
+            value = self._decode_acked(item, idx)
+            self._received = idx
             return value
         ready = await self._ready.get()
         assert self._slots is not None
@@ -269,8 +273,12 @@ class Consumer:
             raise ready.exc
         if ready is _END:
             raise StopAsyncIteration
-        self._received = ready.send_idx
-        return ready.value
+        idx, wid, state, value = ready
+        ep.progress.delivered(idx, wid, state)
+        if isinstance(value, Failure):
+            raise value.exc
+        self._received = idx
+        return value
 
     async def _feed(self, stage: DeviceStage) -> None:
         """Runs in: a task. reorder buffer -> decode -> device thread -> _ready, in order."""
@@ -290,26 +298,26 @@ class Consumer:
                 self._ready.put_nowait(Failure(exc))
                 return
             ep.permits.release()
-            value: Any
-            sid = _send_idx(item)
+            idx = ep.reorder.last_idx
+            wid, state = _origin(item)
             try:
-                value = _Ready(sid, await stage.process(self._decode_acked(item)))
+                value = await stage.process(self._decode_acked(item, idx))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # this batch's error; the epoch goes on, as in torch
                 if ep.acks is not None:
-                    ep.acks.received(sid, ok=False)
+                    ep.acks.received(idx, ok=False)
                 value = Failure(exc)
-            self._ready.put_nowait(value)
+            self._ready.put_nowait((idx, wid, state, value))
 
-    def _decode_acked(self, item: Any) -> Any:
-        """:meth:`_decode`; a batch that raises instead is never acknowledged."""
+    def _decode_acked(self, item: Any, idx: int) -> Any:
+        """:meth:`_decode` of batch ``idx``; a batch that raises instead is never acknowledged."""
         try:
             return self._decode(item)
         except BaseException:
             acks = self._epoch.acks
             if acks is not None:
-                acks.received(_send_idx(item), ok=False)
+                acks.received(idx, ok=False)
             raise
 
     def _decode(self, item: Any) -> Any:
@@ -348,6 +356,13 @@ class Consumer:
             warnings.warn(msg, UserWarning, stacklevel=4)
 
 
+def _origin(item: Any) -> tuple[int | None, Any]:
+    """The worker that loaded a reorder-buffer item and its dataset state after it, if known."""
+    if isinstance(item, _worker.Result):
+        return item.worker_id, item.state
+    return None, None
+
+
 def raise_remote(err: _worker.RemoteError) -> None:
     """Re-raise a worker's exception in this process, as torch does (type kept when possible)."""
     exc_type: Any = RuntimeError
@@ -375,10 +390,6 @@ def raise_remote(err: _worker.RemoteError) -> None:
     if exc_type is RuntimeError and err.type_name != "RuntimeError":
         wrapper.where = f"{err.where} (original type {err.type_name} cannot be rebuilt here)"
     wrapper.reraise()  # type: ignore[no-untyped-call]
-
-
-def _send_idx(item: Any) -> int | None:
-    return item.send_idx if isinstance(item, _worker.Result) else None
 
 
 def _batch_len(value: Any, batch_size: int | None) -> int:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._consumer import Failure
+from ._resume import batch_seed
 from ._sampling import IndexStream
 from ._scheduler import Flight
 from ._worker import Samples
@@ -141,7 +142,10 @@ async def run_stream_scheduler(epoch: Epoch) -> None:
 def _submit(epoch: Epoch, send_idx: int, samples: Samples, wid: int | None) -> None:
     if epoch.acks is not None:
         epoch.acks.submitted(send_idx, samples)
-    epoch.in_flight[send_idx] = Flight(samples, wid, None)
+    seed = None
+    if epoch.loader.seeding == "batch":
+        seed = batch_seed(epoch.base_seed, epoch.progress.epoch, send_idx)
+    epoch.in_flight[send_idx] = Flight(samples, wid, None, seed)
     epoch.submit(send_idx)
 
 

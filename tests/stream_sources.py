@@ -132,3 +132,8 @@ class KillOnce:
 
 def not_a_sample(sample: torch.Tensor) -> object:
     return object()
+
+
+def noisy(sample: torch.Tensor) -> torch.Tensor:
+    """A random augmentation: reproducible only if the worker's RNG is seeded per batch."""
+    return sample + torch.rand(1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aioloader import AsyncDataLoader
-from aioloader._bench_stream import measure_stream
+from aioloader.benchmark.stream import measure_stream
 from tests import datasets
 from tests import stream_sources as ss
 from tests.conftest import collect, torch_batches
@@ -339,3 +339,27 @@ async def test_each_epoch_reads_a_fresh_stream_on_persistent_workers() -> None:
         second = [b["x"].flatten().tolist() for b in await collect(loader)]
     assert first == second == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert src.acked == first + second
+
+
+async def test_batch_seeding_gives_the_same_batches_for_any_num_workers() -> None:
+    runs = []
+    for workers in (0, 2):
+        async with AsyncDataLoader(
+            ss.Counting(12),
+            batch_size=4,
+            num_workers=workers,
+            transform=ss.noisy,
+            seeding="batch",
+            generator=torch.Generator().manual_seed(5),
+        ) as loader:
+            runs.append(torch.cat(await collect(loader)))  # type: ignore[arg-type]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0].floor(), runs[0])  # the transform did add noise
+
+
+def test_resume_state_is_refused_for_async_sources() -> None:
+    loader = AsyncDataLoader(ss.Counting(3))
+    with pytest.raises(ValueError, match="async source"):
+        loader.state_dict()
+    with pytest.raises(ValueError, match="async source"):
+        loader.load_state_dict({})
