@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import redis.asyncio as aioredis
 import torch
 
 from aioloader import AsyncDataLoader
@@ -43,8 +44,6 @@ def parse(entry: StreamEntry) -> dict[str, Any]:
 
 async def produce(url: str, stream: str, rate: float, seconds: float) -> int:
     """XADD ``rate`` events per second for ``seconds``; returns how many were added."""
-    import redis.asyncio as aioredis
-
     client = aioredis.Redis.from_url(url)
     gen = torch.Generator().manual_seed(0)
     n = int(rate * seconds)
