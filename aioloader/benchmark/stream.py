@@ -171,7 +171,7 @@ def measure_stream(
         for rate in rates:
             # The first 0.2 s warm up (a worker's first batch), and are not counted.
             warmup = int(rate * 0.2)
-            n = min(max_events, warmup + max(batch_size * 4, int(rate * seconds)))
+            n = min(max_events, warmup + max(batch_size * 2, int(rate * seconds)))
             for name in ("torch", "aioloader"):
                 if name == "torch":
                     lat, _ = _latencies_torch(n, rate, batch_size, warmup)
@@ -201,8 +201,8 @@ def bench_stream(cfg: Config) -> list[Row]:
     batch_size, window_s = 64, 0.01
     measured = measure_stream(
         rates=[100.0, 1000.0, 10000.0],
-        seconds=plan(cfg, 3, 1),
-        max_events=plan(cfg, 30000, 10000),
+        seconds=0.5 if cfg.quick else 3.0,
+        max_events=plan(cfg, 30000, 4000),
         batch_size=batch_size,
         latency_s=window_s,
         workers=cfg.workers,
