@@ -165,29 +165,56 @@ class _End(NamedTuple):
     error: BaseException | None
 
 
-async def _read(
-    source: Any, buffer: asyncio.Queue[tuple[Any, float] | _End], loop: asyncio.AbstractEventLoop
-) -> None:
+class _Reader:
     """Runs in: one task per epoch. Source -> ``buffer`` (bounded), each sample with its arrival.
 
     Reading in one task and draining the buffer without suspending keeps the cost per sample to
     a queue put and get; waiting for the source sample by sample cost ~100 us each.
     """
-    it: Any = None
-    try:
-        it = aiter(source)
-        async for sample in it:
-            await buffer.put((sample, loop.time()))
-    except Exception as exc:  # the source failed: raised at its position in the stream
-        await buffer.put(_End(exc))
-    else:
-        await buffer.put(_End(None))
-    finally:
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            # A source left early (break, cancellation, a crash) releases what it holds now.
-            with contextlib.suppress(Exception):
-                await aclose()
+
+    def __init__(self, source: Any, size: int) -> None:
+        self.source = source
+        self.buffer: asyncio.Queue[tuple[Any, float] | _End] = asyncio.Queue(maxsize=size)
+        self.stopping = False
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        buffer = self.buffer
+        it: Any = None
+        try:
+            it = aiter(self.source)
+            async for sample in it:
+                if self.stopping:
+                    return
+                await buffer.put((sample, loop.time()))
+        except Exception as exc:  # the source failed: raised at its position in the stream
+            if not self.stopping:
+                await buffer.put(_End(exc))
+        else:
+            if not self.stopping:
+                await buffer.put(_End(None))
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                # A source left early (break, cancellation, a crash) releases what it holds now.
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        """End the reader (and so the source) and wait for it.
+
+        Cancelling alone is not enough: a source may swallow the cancellation (a client library
+        that turns it into a reconnect) and hand over one more sample, which would then wait
+        for room in a full buffer for ever. So the reader is also told to stop, and the buffer
+        is emptied until it has.
+        """
+        self.stopping = True
+        task.cancel()
+        while not task.done():
+            while not self.buffer.empty():
+                self.buffer.get_nowait()  # wakes a reader waiting for room
+            with contextlib.suppress(BaseException):
+                await asyncio.wait([task])
 
 
 async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
@@ -196,8 +223,9 @@ async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
     latency = stream.max_batch_latency
     drop_last = bool(epoch.loader.drop_last)
     # At most one window's worth read ahead of the open window: the backpressure bound.
-    buffer: asyncio.Queue[tuple[Any, float] | _End] = asyncio.Queue(maxsize=size)
-    reader = loop.create_task(_read(stream.source, buffer, loop), name="aioloader-source-reader")
+    reading = _Reader(stream.source, size)
+    buffer = reading.buffer
+    reader = loop.create_task(reading.run(), name="aioloader-source-reader")
     send_idx = 0
     try:
         while True:
@@ -251,11 +279,7 @@ async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
                 break
         epoch.reorder.close(send_idx)
     finally:
-        if not reader.done():
-            # Ends the source too: an async generator closes when cancelled inside it.
-            reader.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.wait([reader])
+        await reading.stop(reader)
 
 
 async def _run_map(epoch: Epoch, stream: StreamInput) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -137,3 +138,23 @@ def not_a_sample(sample: torch.Tensor) -> object:
 def noisy(sample: torch.Tensor) -> torch.Tensor:
     """A random augmentation: reproducible only if the worker's RNG is seeded per batch."""
     return sample + torch.rand(1)
+
+
+class SwallowsCancel:
+    """Four samples, then waits; cancelled there it goes on yielding (as some clients do)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[torch.Tensor]:
+        try:
+            for i in range(4):
+                yield torch.tensor([i])
+            with contextlib.suppress(asyncio.CancelledError):  # a badly behaved client library
+                await asyncio.Event().wait()
+            i = 4
+            while True:
+                yield torch.tensor([i])
+                i += 1
+        finally:
+            self.closed = True

@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ from tests.redis_server import RedisServer
 
 redis = pytest.importorskip("redis", reason="the redis package is not installed ([redis] extra)")
 from aioloader.sources.redis import RedisStreamSource, StreamEntry  # noqa: E402
+from tests.redis_consumer import to_sample  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,51 +86,69 @@ async def test_entries_arrive_in_order_and_are_acknowledged(redis_url: str) -> N
     assert pending(redis_url, stream, "g") == 0
 
 
-def test_a_killed_consumer_loses_nothing_and_acks_only_what_it_trained(
+async def test_a_killed_consumer_loses_nothing_and_acks_only_what_it_trained(
     redis_url: str, tmp_path: Path
 ) -> None:
     stream = f"s-{uuid.uuid4().hex}"
     ids = produce(redis_url, stream, 300)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "tests.redis_consumer", redis_url, stream]
-    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
-    a = subprocess.Popen([*cmd, "a", str(log_a), "--hang-after", "5"], cwd=ROOT, env=env)
-    try:
-        deadline = time.monotonic() + 90
-        while not (log_a.exists() and log_a.read_text().count("D ") >= 5):
-            assert a.poll() is None, "the first consumer exited early"
-            assert time.monotonic() < deadline, "the first consumer made no progress"
-            time.sleep(0.05)
-    finally:
-        a.send_signal(signal.SIGKILL)
-        a.wait()
-    b = subprocess.Popen(
-        [*cmd, "b", str(log_b), "--claim-idle-s", "0.3", "--stop-after-idle-s", "2"],
+    # Consumer "a", a process of its own: trains on 5 batches, gets stuck in the 5th training
+    # step with more entries read ahead, and is SIGKILLed there.
+    log_a = tmp_path / "a.log"
+    a = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "tests.redis_consumer", redis_url, stream, "a", str(log_a)),
+        *("--hang-after", "5"),
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
-        assert b.wait(120) == 0
+        async with asyncio.timeout(90):
+            while not (log_a.exists() and log_a.read_text().count("D ") >= 5):
+                assert a.returncode is None, "the first consumer exited early"
+                await asyncio.sleep(0.05)
     finally:
-        if b.poll() is None:
-            b.kill()
-            b.wait()
+        a.send_signal(signal.SIGKILL)
+        await a.wait()
 
-    def read(log: Path) -> tuple[list[list[str]], list[list[str]]]:
-        trained: list[list[str]] = []
-        acked: list[list[str]] = []
-        for line in log.read_text().splitlines():
-            kind, *entry_ids = line.split()
-            if kind == "A":
-                # Acknowledged only after it was trained on, by this very process, in order.
-                assert entry_ids == trained[len(acked)]
-                acked.append(entry_ids)
-            else:
-                trained.append(entry_ids)
-        return trained, acked
+    # Consumer "b" (here): another name, so what "a" read comes to it through XAUTOCLAIM.
+    batches_b: list[list[str]] = []
+    acks_b: list[list[str]] = []
 
-    batches_a, acks_a = read(log_a)
-    batches_b, acks_b = read(log_b)
+    class Logged(RedisStreamSource):
+        async def ack(self, samples: list[StreamEntry]) -> None:
+            await super().ack(samples)
+            acks_b.append([s.id for s in samples])
+
+    src = Logged(
+        redis_url,
+        stream,
+        "trainers",
+        "b",
+        count=32,
+        block_s=0.05,
+        claim_idle_s=0.3,
+        claim_every_s=0.2,
+        stop_after_idle_s=1.0,
+    )
+    async with (
+        src,
+        AsyncDataLoader(
+            src, batch_size=16, num_workers=1, max_batch_latency=0.05, transform=to_sample
+        ) as loader,
+    ):
+        async with asyncio.timeout(60):
+            async for batch in loader:
+                batches_b.append(list(batch["id"]))
+
+    batches_a: list[list[str]] = []
+    acks_a: list[list[str]] = []
+    for line in log_a.read_text().splitlines():
+        kind, *entry_ids = line.split()
+        if kind == "A":
+            # Acknowledged only after it was trained on, in order.
+            assert entry_ids == batches_a[len(acks_a)]
+            acks_a.append(entry_ids)
+        else:
+            batches_a.append(entry_ids)
     # Killed mid-stream: 5 batches trained on, the 5th never finished, so never acknowledged.
     assert len(batches_a) == 5 and acks_a == batches_a[:4]
     assert acks_b == batches_b

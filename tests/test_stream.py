@@ -363,3 +363,13 @@ def test_resume_state_is_refused_for_async_sources() -> None:
         loader.state_dict()
     with pytest.raises(ValueError, match="async source"):
         loader.load_state_dict({})
+
+
+async def test_a_source_that_swallows_cancellation_still_ends_with_the_epoch() -> None:
+    src = ss.SwallowsCancel()
+    async with asyncio.timeout(30):
+        async with AsyncDataLoader(src, batch_size=4, num_workers=0) as loader:
+            async for batch in loader:
+                assert batch.flatten().tolist() == [0, 1, 2, 3]
+                break
+    assert src.closed
