@@ -182,3 +182,14 @@ async def test_a_server_that_goes_away_is_an_error_not_a_hang(acked: bool) -> No
     finally:
         server.stop()
     assert any("Redis stream 's'" in note for note in info.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"count": 0}, {"block_s": 0}, {"claim_idle_s": -1}, {"stop_after_idle_s": 0}],
+    ids=["count", "block", "claim", "idle"],
+)
+def test_bad_source_arguments_say_what_is_wrong(kwargs: dict[str, Any]) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        RedisStreamSource("redis://127.0.0.1:1/0", "s", "g", "c", **kwargs)

@@ -80,9 +80,8 @@ class RedisStreamSource:
         socket_timeout_s: float = 5.0,
         stop_after_idle_s: float | None = None,
     ) -> None:
-        for name, value in (("count", count),):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} should be a positive int, got {value!r}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"count should be a positive int (entries per read), got {count!r}")
         for name, fvalue in (
             ("block_s", block_s),
             ("claim_idle_s", claim_idle_s),
