@@ -406,7 +406,7 @@ async def test_worker_seeding_stays_torchs() -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 async def test_iterable_resumes_per_worker(dataset: Any, workers: int) -> None:
     if dataset is rd.DatasetLevelState and workers:
-        pytest.skip("a dataset-level position is one per process: shown with num_workers=0")
+        pytest.skip("this dataset does not shard by worker: every worker would yield it all")
 
     def make() -> AsyncDataLoader[Any]:
         return AsyncDataLoader(
@@ -415,6 +415,20 @@ async def test_iterable_resumes_per_worker(dataset: Any, workers: int) -> None:
 
     for k in (0, 1, 4, None):
         await round_trip(make, k)
+
+
+async def test_iterable_resume_after_a_worker_ran_dry() -> None:
+    """Shards of 4, 3 and 3 samples in batches of 3: workers 1 and 2 run dry first."""
+
+    def make() -> AsyncDataLoader[Any]:
+        return AsyncDataLoader(rd.Counting(10), 3, num_workers=3, multiprocessing_context="fork")
+
+    for k in (2, 3, 4, None):
+        await round_trip(make, k)
+    async with make() as loader:
+        await _epoch(loader, 4)  # all four batches, the dry workers' indices skipped between
+        state = loader.state_dict()
+    assert (state["delivered_below"], state["delivered_also"]) == (4, [])
 
 
 async def test_iterable_resume_needs_the_same_num_workers() -> None:

@@ -34,13 +34,25 @@ from aioloader.benchmark.cpu import bench_cpu
 from aioloader.benchmark.device import bench_device
 from aioloader.benchmark.iowait import bench_io
 from aioloader.benchmark.loop_lag import bench_loop_lag
+from aioloader.benchmark.resume import bench_resume
 from aioloader.benchmark.skewed import bench_skewed
 from aioloader.benchmark.startup import bench_startup
 from aioloader.benchmark.stream import bench_stream
 from aioloader.benchmark.tiny import TinyDataset, bench_tiny
 from aioloader.benchmark.user_dataset import bench_dataset
 
-WORKLOADS = ("tiny", "cpu", "io", "big", "skewed", "startup", "loop-lag", "device", "stream")
+WORKLOADS = (
+    "tiny",
+    "cpu",
+    "io",
+    "big",
+    "skewed",
+    "startup",
+    "loop-lag",
+    "device",
+    "resume",
+    "stream",
+)
 
 
 BENCHES: dict[str, Callable[[Config], list[Row]]] = {
@@ -52,6 +64,7 @@ BENCHES: dict[str, Callable[[Config], list[Row]]] = {
     "startup": bench_startup,
     "loop-lag": bench_loop_lag,
     "device": bench_device,
+    "resume": bench_resume,
     "stream": bench_stream,
     "dataset": bench_dataset,
 }
