@@ -373,3 +373,12 @@ async def test_a_source_that_swallows_cancellation_still_ends_with_the_epoch() -
                 assert batch.flatten().tolist() == [0, 1, 2, 3]
                 break
     assert src.closed
+
+
+def test_the_sync_bridge_reads_an_async_source() -> None:
+    src = ss.Counting(10)
+    loader = AsyncDataLoader(src, batch_size=4, num_workers=1, max_batch_latency=0.05)
+    with loader.sync() as batches:
+        got = values(list(batches))
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert src.acked == got
