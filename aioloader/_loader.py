@@ -30,12 +30,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from . import _transport, _worker
-from ._backend import Backend, ThreadBackend
+from ._backend import Backend, Launcher, ThreadBackend
 from ._device import DeviceStage
 from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
 from ._executor import WorkerPool
 from ._phase import Phase
+from ._threadworkers import ThreadWorkers
 
 __all__ = ("AsyncDataLoader", "LoaderStats")
 
@@ -113,13 +114,20 @@ class AsyncDataLoader(Generic[_T_co]):
             ``None`` or ``"cpu"`` keeps batches on the host.
         device_prefetch: Batches kept ready on the device (or pinned) ahead of the consumer, so
             the copy of the next batch overlaps the compute on this one.
-        worker_nice: Niceness added to each worker process (0-19). Workers run at a lower CPU
-            priority than the process that runs the event loop, so on a busy machine the loop
-            (and the training step) wake promptly; 0 keeps torch's equal priority.
+        worker_nice: Niceness added to each worker process (0-19; default 5). Workers run at a
+            lower CPU priority than the process that runs the event loop, so on a busy machine
+            the loop (and the training step) wake promptly; 0 keeps torch's equal priority.
+            Worker processes only.
         max_worker_restarts: Worker pools the loader may replace per epoch after a worker process
             dies; the batches in flight are resubmitted, so no sample is lost or repeated.
             0 fails at the first crash, as torch does. An index batch that kills its worker twice
             raises :class:`~aioloader.PoisonBatchError` regardless.
+        executor: How the ``num_workers`` workers run (see docs/backends.md). ``"process"``
+            (default): worker processes, as torch. ``"thread"``: worker threads of this process,
+            each with its own ``get_worker_info()``, for work that releases the GIL; the dataset
+            is shared, not copied, and must be thread-safe. ``aioloader.ray.RayWorkers(...)``:
+            one Ray actor per worker, anywhere in a Ray cluster. ``num_workers=0`` loads in this
+            process whatever the executor.
 
     Example::
 
@@ -152,7 +160,8 @@ class AsyncDataLoader(Generic[_T_co]):
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
         max_worker_restarts: int = 3,
-        worker_nice: int = 5,
+        worker_nice: int | None = None,
+        executor: str | Launcher = "process",
     ) -> None:
         # torch's own constructor does the validation, picks the default samplers and collate_fn,
         # and starts nothing: workers start only when it is iterated, which we never do.
@@ -184,6 +193,10 @@ class AsyncDataLoader(Generic[_T_co]):
                 f"of batches each worker loads ahead), got {pf!r}"
             )
         _check_int("max_worker_restarts", max_worker_restarts, 0, None, "a non-negative int")
+        _check_executor(executor, num_workers, multiprocessing_context, worker_nice)
+        self.executor = executor
+        if worker_nice is None:
+            worker_nice = 5
         _check_int(
             "worker_nice", worker_nice, 0, 19, "an int from 0 (the main process's priority) to 19"
         )
@@ -216,7 +229,7 @@ class AsyncDataLoader(Generic[_T_co]):
         # release its workers) while the loader lives on.
         self._epochs: weakref.WeakSet[Epoch] = weakref.WeakSet()
         self._closing: asyncio.Task[None] | None = None
-        self._persistent_pool: WorkerPool | None = None
+        self._persistent_pool: Backend | None = None
         # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
         self._persistent_pool_busy = False
         self._persistent_seed: int | None = None
@@ -438,10 +451,42 @@ class AsyncDataLoader(Generic[_T_co]):
             fixed_worker_id=None,
         )
 
-    async def _new_pool(self, base_seed: int) -> WorkerPool:
-        return await WorkerPool.start(
-            functools.partial(self._make_spec, base_seed), self._mp_context(), self._pinned_workers
+    async def _new_pool(self, base_seed: int) -> Backend:
+        """Start a set of ``num_workers`` workers of the loader's executor."""
+        executor = self.executor
+        if executor == "process":
+            return await WorkerPool.start(
+                functools.partial(self._make_spec, base_seed),
+                self._mp_context(),
+                self._pinned_workers,
+            )
+        if executor == "thread":
+            return ThreadWorkers(
+                dataset=self.dataset,
+                num_workers=self.num_workers,
+                base_seed=base_seed,
+                is_iterable=self._is_iterable,
+                auto_collation=self.batch_sampler is not None,
+                collate_fn=self.collate_fn,
+                drop_last=self.drop_last,
+                worker_init_fn=self.worker_init_fn,
+                pinned=self._pinned_workers,
+            )
+        assert not isinstance(executor, str)
+        spec = _worker.WorkerSpec(
+            num_workers=self.num_workers,
+            base_seed=base_seed,
+            is_iterable=self._is_iterable,
+            auto_collation=self.batch_sampler is not None,
+            drop_last=self.drop_last,
+            main_pid=os.getpid(),
+            nice=0,
+            payload_file=None,
+            objects=None,
+            fixed_worker_id=None,
         )
+        objects = (self.dataset, self.collate_fn, self.worker_init_fn)
+        return await executor.start(spec, objects, self._pinned_workers)
 
     async def _acquire_backend(self, epoch: Epoch) -> tuple[Backend, bool]:
         """(backend, owned by the epoch). Persistent workers: the loader's pool, started once."""
@@ -467,7 +512,6 @@ class AsyncDataLoader(Generic[_T_co]):
     def _backend_replaced(self, old: Backend, new: Backend) -> None:
         """Crash recovery replaced ``old``: a persistent pool is now ``new``."""
         if self._persistent_pool is old:
-            assert isinstance(new, WorkerPool)
             self._persistent_pool = new
 
     def _persistent_pool_kept(self, *, busy: bool) -> None:
@@ -546,6 +590,47 @@ async def _next(iterator: _EpochIterator[Any], step: Coroutine[Any, Any, Any]) -
         return await step
     finally:
         del iterator
+
+
+_EXECUTORS = ("process", "thread")
+
+
+def _check_executor(
+    executor: object, num_workers: int, multiprocessing_context: object, worker_nice: object
+) -> None:
+    """Reject an unknown executor, and arguments that only mean something for processes."""
+    if isinstance(executor, str):
+        if executor not in _EXECUTORS:
+            raise ValueError(
+                f"executor should be 'process', 'thread' or aioloader.ray.RayWorkers(...), "
+                f"got {executor!r}"
+            )
+        name = executor
+    elif callable(getattr(executor, "start", None)) and callable(
+        getattr(executor, "validate", None)
+    ):
+        name = str(getattr(executor, "name", type(executor).__name__))
+        executor.validate(  # type: ignore[attr-defined]
+            num_workers=num_workers, multiprocessing_context=multiprocessing_context
+        )
+    else:
+        raise TypeError(
+            "executor should be 'process', 'thread' or an executor object such as "
+            f"aioloader.ray.RayWorkers(...), got {type(executor).__name__}"
+        )
+    if name == "process":
+        return
+    if multiprocessing_context is not None and num_workers > 0:
+        raise ValueError(
+            f"multiprocessing_context chooses how worker processes start; executor={name!r} "
+            "starts no worker processes: drop multiprocessing_context (or use "
+            "executor='process')"
+        )
+    if worker_nice is not None and num_workers > 0:
+        raise ValueError(
+            f"worker_nice sets the priority of worker processes; executor={name!r} has none: "
+            "drop worker_nice (or use executor='process')"
+        )
 
 
 def _closed_error() -> LoaderClosedError:
