@@ -24,6 +24,7 @@ Assignment of batches to workers is that of processes: round-robin with one queu
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import threading
@@ -134,6 +135,8 @@ class ThreadWorkers:
         self,
         *,
         dataset: Any,
+        rank: int,
+        world_size: int,
         num_workers: int,
         base_seed: int,
         is_iterable: bool,
@@ -146,6 +149,8 @@ class ThreadWorkers:
         install_thread_info()
         self.num_workers = num_workers
         self._dataset = dataset
+        self._rank = rank
+        self._world_size = world_size
         self._base_seed = base_seed
         self._kind = _DatasetKind.Iterable if is_iterable else _DatasetKind.Map
         self._auto_collation = auto_collation
@@ -186,14 +191,7 @@ class ThreadWorkers:
         state = _ThreadState(fixed_id)
         _local.state = state
         seed = self._base_seed + fixed_id
-        _local.info = torch_worker.WorkerInfo(
-            id=fixed_id,
-            num_workers=self.num_workers,
-            seed=seed,
-            dataset=self._dataset,
-            rng=_make_rng(seed),
-            worker_method="thread",
-        )
+        _local.info = self._info(fixed_id, seed)
         try:
             if self._worker_init_fn is not None:
                 self._worker_init_fn(fixed_id)
@@ -201,6 +199,18 @@ class ThreadWorkers:
             state.init_error = _worker.RemoteError.capture(
                 f"in DataLoader worker thread {fixed_id}"
             )
+
+    def _info(self, worker_id: int, seed: int) -> Any:
+        return _worker.make_worker_info(
+            id=worker_id,
+            num_workers=self.num_workers,
+            seed=seed,
+            dataset=self._dataset,
+            rng=_make_rng(seed),
+            worker_method="thread",
+            rank=self._rank,
+            world_size=self._world_size,
+        )
 
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
         ex = self._executors[worker_id if self._pinned and worker_id is not None else 0]
@@ -214,31 +224,51 @@ class ThreadWorkers:
         pid = os.getpid()
         if state.init_error is not None:
             return _worker.Result(send_idx, epoch, wid, pid, state.init_error, 0.0)
+        extra: _worker.Extra | None = None
+        if type(indices) is _worker.Extra:
+            extra, indices = indices, indices.indices
+            if extra.seed is not None:
+                # seeding="batch": this thread's info and generators get the batch's seed. The
+                # process-wide RNGs belong to the main program and every thread: untouched.
+                _local.info = self._info(wid, extra.seed)
+        iterable = self._kind == _DatasetKind.Iterable
         data: object
+        saved: Any = None
         try:
-            if state.epoch != epoch and (
-                state.fetcher is None or self._kind == _DatasetKind.Iterable
-            ):
+            if state.fetcher is None or (iterable and state.epoch != epoch):
                 # Iterables: a fresh iterator per epoch, as torch (and process workers) do.
                 state.epoch = epoch
                 state.fetcher = None
-                state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
-                    self._kind,
-                    self._dataset,
-                    self._auto_collation,
-                    self._collate_fn,
-                    self._drop_last,
-                )
+                if iterable:
+                    state.fetcher = _worker.iterable_fetcher(
+                        self._dataset,
+                        self._auto_collation,
+                        self._collate_fn,
+                        self._drop_last,
+                        extra.resume if extra is not None else None,
+                    )
+                else:
+                    state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+                        self._kind,
+                        self._dataset,
+                        self._auto_collation,
+                        self._collate_fn,
+                        self._drop_last,
+                    )
             try:
                 data = Direct(state.fetcher.fetch(indices))
             except StopIteration:
-                if self._kind != _DatasetKind.Iterable:
+                if not iterable:
                     raise
                 data = _worker.Exhausted(wid)
+            else:
+                if iterable:
+                    # A copy: the iterator goes on changing its state after this batch.
+                    saved = copy.deepcopy(_worker.capture_state(state.fetcher, self._dataset))
         except BaseException:
             where = f"in DataLoader worker thread {wid} while loading batch send_idx={send_idx}"
             data = _worker.RemoteError.capture(where)
-        return _worker.Result(send_idx, epoch, wid, pid, data, time.perf_counter() - start)
+        return _worker.Result(send_idx, epoch, wid, pid, data, time.perf_counter() - start, saved)
 
     def sentinels(self) -> list[int]:
         return []  # a thread cannot die the way a process does
