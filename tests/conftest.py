@@ -208,7 +208,8 @@ def ray_cluster() -> Iterator[None]:
 
     tmp = tempfile.mkdtemp(prefix="aioray-", dir="/tmp")  # short: Ray's socket paths are limited
     port = _free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # A throw-away cluster on the loopback interface: no token to hand between the processes.
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     # The actors import the tests' datasets by name, as spawned workers do.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     cmd = [
@@ -219,13 +220,20 @@ def ray_cluster() -> Iterator[None]:
         "--num-cpus=2",
         "--include-dashboard=false",
         "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
         f"--temp-dir={tmp}",
     ]
+    saved_auth = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
         subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
-        ray.init(address=f"{ray.util.get_node_ip_address()}:{port}", log_to_driver=False)
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         yield
     finally:
+        if saved_auth is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved_auth
         if ray.is_initialized():
             ray.shutdown()
         _kill_matching(tmp)
