@@ -299,3 +299,17 @@ def executor(request: pytest.FixtureRequest) -> Iterator[Any]:
         time.sleep(0.05)
     assert not live_loader_actors(), "a Ray actor of the loader outlived the test"
     assert not _loader_threads(), f"loader threads left: {_loader_threads()}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Ray's parameter is slow unless the test is marked ``ray_default``.
+
+    Every Ray actor is a fresh interpreter importing torch (seconds each on 2 cores): the default
+    run keeps the few Ray cases that cover order, errors and recovery; ``-m slow`` runs them all.
+    """
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_ray = callspec is not None and callspec.params.get("executor") == "ray"
+        if on_ray and item.get_closest_marker("ray_default") is None:
+            item.add_marker(pytest.mark.slow)

@@ -3,7 +3,8 @@
 Order and exactly-once across epochs, ``in_order=False``, iterables, errors with the worker's
 traceback, the timeout, ``break`` cleanup and per-worker ``get_worker_info()``. Each test is run
 once per backend by the parametrised ``executor`` fixture of conftest.py, which also checks,
-for Ray, that no actor of the loader is left alive.
+for Ray, that no actor of the loader is left alive. Ray cases are ``slow`` (each actor start is a
+fresh interpreter importing torch) except those marked ``ray_default``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def _ints(batches: list[Any]) -> list[list[int]]:
     return [b.flatten().tolist() for b in batches]
 
 
+@pytest.mark.ray_default
 async def test_same_batches_as_torch_every_epoch(executor: Any) -> None:
     """Shuffled, seeded: each epoch equals torch's epoch, every sample once; workers persist."""
     ds = datasets.RangeDataset(40)
@@ -67,6 +69,7 @@ async def test_iterable_is_sharded_per_worker_as_in_torch(executor: Any) -> None
         assert _ints(await collect(loader)) == expected
 
 
+@pytest.mark.ray_default
 async def test_error_carries_worker_traceback_and_epoch_goes_on(executor: Any) -> None:
     ds = datasets.RaisingDataset(12, bad=5)
     got: list[list[int]] = []
