@@ -53,7 +53,8 @@ def _ray_ready(cfg: Config) -> tuple[bool, float | None]:
     if ray.is_initialized():
         return True, None
     t0 = time.perf_counter()
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": a new cluster, never one a stale /tmp/ray file points at.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     return True, time.perf_counter() - t0
 
 
