@@ -282,7 +282,8 @@ class RayPool:
         self._actors: list[Any] = []
         self._pids: list[int | None] = [None] * self.num_workers
         self._hosts: list[str] = [""] * self.num_workers
-        self._lock = threading.Lock()
+        # Reentrant: a call's completion callback can run at once, inside _call, on this thread.
+        self._lock = threading.RLock()
         # Per actor, the tasks given to it and not finished, in submission order: a Ray actor
         # runs its calls in that order, so the first one is the batch it is loading.
         self._running: list[deque[_Task]] = [deque() for _ in range(self.num_workers)]
@@ -475,5 +476,7 @@ async def _wait_dead(actor: Any, deadline: float) -> None:
         try:
             await asyncio.wrap_future(actor.ready.remote().future())
         except ray.exceptions.RayActorError:
+            return
+        except Exception:  # Ray itself is shut down or unreachable: nothing left to wait for
             return
         await asyncio.sleep(0.01)  # the kill is still on its way: ask again
