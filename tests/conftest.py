@@ -303,13 +303,23 @@ def executor(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Ray's parameter is slow unless the test is marked ``ray_default``.
+    """Ray's parameter is slow unless the test is marked ``ray_default``; Ray tests run last.
 
     Every Ray actor is a fresh interpreter importing torch (seconds each on 2 cores): the default
     run keeps the few Ray cases that cover order, errors and recovery; ``-m slow`` runs them all.
     """
+
+    def on_ray(item: pytest.Item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("executor") == "ray":
+            return True
+        return "ray_cluster" in getattr(item, "fixturenames", ())
+
     for item in items:
         callspec = getattr(item, "callspec", None)
-        on_ray = callspec is not None and callspec.params.get("executor") == "ray"
-        if on_ray and item.get_closest_marker("ray_default") is None:
+        is_ray_case = callspec is not None and callspec.params.get("executor") == "ray"
+        if is_ray_case and item.get_closest_marker("ray_default") is None:
             item.add_marker(pytest.mark.slow)
+    # Ray tests last: once Ray is connected it keeps threads and sockets of its own in this
+    # process, which no other test's leak check should have to tell from the loader's.
+    items.sort(key=on_ray)  # stable: the order is otherwise unchanged
