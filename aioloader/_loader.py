@@ -379,20 +379,30 @@ class AsyncDataLoader(Generic[_T_co]):
         pending, self._pending = self._pending, None
         progress = self._begin_progress(pending)
         start = progress.start
-        if persistent and self._persistent_seed is not None:
+        if pending is not None and start.base_seed is not None:
+            # Resuming: the interrupted epoch's seed. If it was drawn from `generator`, draw again
+            # (and discard) so the generator, restored to the epoch's start, advances as it did.
+            if start.seed_drawn and self.generator is not None:
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            base_seed = start.base_seed
+            if persistent:
+                self._persistent_seed = base_seed
+        elif persistent and self._persistent_seed is not None:
             base_seed = self._persistent_seed  # torch draws it once for persistent workers
-        elif pending is not None and start.base_seed is not None and self.generator is None:
-            base_seed = start.base_seed  # the interrupted epoch's draw from the global RNG
+            start.seed_drawn = False
         else:
             # As torch: the workers' base seed is drawn from `generator` before the sampler draws.
             base_seed = int(
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
             )
-            if start.base_seed is not None:
-                base_seed = start.base_seed  # equal: the generator was restored before the draw
+            start.seed_drawn = True
             if persistent:
                 self._persistent_seed = base_seed
         start.base_seed = base_seed
+        if start.global_rng is None:
+            # What the sampler will draw from if it uses the global RNG (a custom sampler records
+            # it again, just before its iter()).
+            start.record_global_rng(torch.get_rng_state())
         epoch = Epoch(self, self._epoch_no, base_seed, progress, replay=pending is not None)
         if pending is not None and self._is_iterable:
             epoch.resume_states = dict(progress.worker_states)
@@ -527,7 +537,9 @@ class AsyncDataLoader(Generic[_T_co]):
             progress = Progress(
                 pending.epoch,
                 start,
-                Position(pending.position.low, pending.position.above),
+                Position(
+                    pending.position.low, pending.position.above, counting=self._is_iterable
+                ),
                 worker_states=pending.worker_states,
                 last_worker=pending.last_worker,
                 iterable=self._is_iterable,

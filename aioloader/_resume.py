@@ -68,14 +68,23 @@ class Position:
     order, and never more than the batches in flight).
     """
 
-    __slots__ = ("above", "count", "low")
+    __slots__ = ("above", "count", "counting", "low")
 
-    def __init__(self, low: int = 0, above: set[int] | None = None) -> None:
+    def __init__(
+        self, low: int = 0, above: set[int] | None = None, *, counting: bool = False
+    ) -> None:
         self.low = low
         self.above: set[int] = set(above or ())
         self.count = low + len(self.above)
+        # Iterable datasets: a send_idx names no data (and exhausted workers' indices are never
+        # delivered), so only the number received is kept: low == count.
+        self.counting = counting
 
     def mark(self, idx: int) -> None:
+        if self.counting:
+            self.count += 1
+            self.low = self.count
+            return
         if idx < self.low or idx in self.above:
             raise RuntimeError(f"aioloader bug: send_idx {idx} delivered twice")
         self.count += 1
@@ -101,6 +110,8 @@ class Start:
     #: Generator states at the epoch's start, by role ("loader", "sampler").
     generators: dict[str, torch.Tensor | str] = field(default_factory=dict)
     base_seed: int | None = None
+    #: The epoch drew ``base_seed`` (persistent workers draw it only for their first epoch).
+    seed_drawn: bool = False
     #: A stock RandomSampler without a generator: the seed it drew from the global RNG.
     sampler_seed: int | None = None
     #: A custom sampler: the global torch RNG just before its ``iter()``.
@@ -122,11 +133,17 @@ class Start:
         return None if state is None else _tensor(state)
 
     def to_dict(self) -> dict[str, Any]:
+        # Encoded once: the states of a started epoch never change, and state_dict() may be
+        # called after every batch.
+        self.generators = {k: _text(v) for k, v in self.generators.items()}
+        if self.global_rng is not None:
+            self.global_rng = _text(self.global_rng)
         return {
-            "generators": {k: _text(v) for k, v in self.generators.items()},
+            "generators": dict(self.generators),
             "base_seed": self.base_seed,
+            "seed_drawn": self.seed_drawn,
             "sampler_seed": self.sampler_seed,
-            "global_rng": None if self.global_rng is None else _text(self.global_rng),
+            "global_rng": self.global_rng,
             "sampler_state": copy.deepcopy(self.sampler_state),
             "sampler_epoch": self.sampler_epoch,
         }
@@ -136,6 +153,7 @@ class Start:
         return cls(
             generators=dict(d.get("generators") or {}),
             base_seed=d.get("base_seed"),
+            seed_drawn=bool(d.get("seed_drawn", False)),
             sampler_seed=d.get("sampler_seed"),
             global_rng=d.get("global_rng"),
             sampler_state=copy.deepcopy(d.get("sampler_state")),
@@ -173,7 +191,7 @@ class Progress:
         #: An iterable batch was delivered with no dataset state to record (no state_dict).
         self.stateless = False
         self.start = start
-        self.position = position if position is not None else Position()
+        self.position = position if position is not None else Position(counting=iterable)
         #: Iterable datasets: worker id -> (target, state) after its last delivered batch.
         self.worker_states: dict[int, Any] = dict(worker_states or {})
         # Exhausted workers are not recorded: after a resume one gets a batch, reports itself

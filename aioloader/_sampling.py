@@ -83,6 +83,13 @@ def _random_draws(sampler: RandomSampler, start: Start | None, replay: bool) -> 
     if sampler.generator is None:
         if replay and start is not None and start.sampler_seed is not None:
             seed = start.sampler_seed  # resuming: the seed the interrupted epoch drew
+        elif replay and start is not None and start.global_rng is not None:
+            # Resuming an epoch stopped before its sampler drew: draw as it would have, from the
+            # global RNG as it stood when the epoch started.
+            rng = torch.Generator()
+            rng.set_state(start.rng_tensor())
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
+            start.sampler_seed = seed
         else:
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             if start is not None:
@@ -373,8 +380,9 @@ class IndexStream:
         """Runs in: a short-lived thread. ``iter()``, the skipped items and the next, caught.
 
         The global torch RNG is what a custom sampler may draw from when it starts: recorded
-        before ``iter()``, or, when replaying, set to the recorded state for ``iter()`` and the
-        skipped items and then given back (the process's own draws go on from where they were).
+        before ``iter()``, or, when replaying, set to the recorded state for ``iter()``, the
+        skipped items and the next one, then given back (the process's own draws go on from
+        where they were; a sampler that draws lazily later in the epoch draws from those).
         """
         start = self._start
         saved: torch.Tensor | None = None
@@ -392,6 +400,7 @@ class IndexStream:
             try:
                 for _ in range(self._skip):
                     next(it)
+                return it, (True, next(it))
             except StopIteration:
                 return it, (True, _END)
             except BaseException as exc:
@@ -399,12 +408,6 @@ class IndexStream:
         finally:
             if saved is not None:
                 torch.set_rng_state(saved)
-        try:
-            return it, (True, next(it))
-        except StopIteration:
-            return it, (True, _END)
-        except BaseException as exc:
-            return it, (False, exc)
 
     def _keep_first(self, first: tuple[Iterator[Any] | None, _Outcome]) -> None:
         self._first = first

@@ -35,12 +35,13 @@ from aioloader.benchmark.cpu import bench_cpu
 from aioloader.benchmark.device import bench_device
 from aioloader.benchmark.iowait import bench_io
 from aioloader.benchmark.loop_lag import bench_loop_lag
+from aioloader.benchmark.resume import bench_resume
 from aioloader.benchmark.skewed import bench_skewed
 from aioloader.benchmark.startup import bench_startup
 from aioloader.benchmark.tiny import TinyDataset, bench_tiny
 from aioloader.benchmark.user_dataset import bench_dataset
 
-WORKLOADS = ("tiny", "cpu", "io", "big", "skewed", "startup", "loop-lag", "device")
+WORKLOADS = ("tiny", "cpu", "io", "big", "skewed", "startup", "loop-lag", "device", "resume")
 #: Run only when named: ``backends`` compares the executors (and starts a local Ray cluster).
 OPTIONAL_WORKLOADS = ("backends",)
 
@@ -54,6 +55,7 @@ BENCHES: dict[str, Callable[[Config], list[Row]]] = {
     "startup": bench_startup,
     "loop-lag": bench_loop_lag,
     "device": bench_device,
+    "resume": bench_resume,
     "dataset": bench_dataset,
     "backends": backends.bench_backends,
 }
