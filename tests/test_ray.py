@@ -13,7 +13,7 @@ import pytest
 
 from aioloader import AsyncDataLoader
 from tests import datasets
-from tests.conftest import collect, live_loader_actors
+from tests.conftest import live_loader_actors
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'aioloader[ray]'")
 from aioloader.ray import RayWorkers  # noqa: E402  (needs ray)
@@ -41,8 +41,6 @@ async def test_killed_actor_is_replaced_and_batches_arrive_once_in_order(
                 gate.touch()
                 got += [b async for b in it]
                 stats = loader.stats()
-                # The next epoch runs on the replacement set as on any other.
-                assert [b.flatten().tolist() for b in await collect(loader, 120)][:1] == [[0, 1]]
     assert [b.flatten().tolist() for b in got] == [[i, i + 1] for i in range(0, 24, 2)]
     assert stats.worker_restarts == 1
     assert live_loader_actors() == []
