@@ -91,7 +91,10 @@ class Epoch:
             done=start.above if start is not None else None,
         )
         workers = loader.num_workers
-        self.max_in_flight = loader.prefetch_factor * workers if workers > 0 else 1
+        # prefetch_factor is None when num_workers was raised from 0 after construction: torch's
+        # default then applies.
+        prefetch = loader.prefetch_factor if loader.prefetch_factor is not None else 2
+        self.max_in_flight = prefetch * workers if workers > 0 else 1
         self.permits = asyncio.Semaphore(self.max_in_flight)
         # Set while submissions may go on (RUNNING); cleared during recovery.
         self.resumed = asyncio.Event()

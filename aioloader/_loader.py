@@ -19,20 +19,24 @@ import functools
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from multiprocessing.context import BaseContext
-from typing import Any, Generic, Literal, NamedTuple, NoReturn, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, NoReturn, Self
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
+from typing_extensions import TypeVar
 
 from . import _resume as resume
 from . import _transport, _worker
+from ._attrs import TorchAttributes
 from ._backend import Backend, Launcher, ThreadBackend
+from ._bridge import SyncDataLoader
 from ._device import DeviceStage
 from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
@@ -43,35 +47,9 @@ from ._threadworkers import ThreadWorkers
 
 __all__ = ("AsyncDataLoader", "LoaderStats")
 
-_T_co = TypeVar("_T_co", covariant=True)
-_B = TypeVar("_B")
-
-#: torch DataLoader attributes readable on AsyncDataLoader.
-_TORCH_ATTRS = frozenset(
-    {
-        "dataset",
-        "batch_size",
-        "sampler",
-        "batch_sampler",
-        "num_workers",
-        "collate_fn",
-        "pin_memory",
-        "drop_last",
-        "timeout",
-        "worker_init_fn",
-        "multiprocessing_context",
-        "generator",
-        "prefetch_factor",
-        "persistent_workers",
-        "pin_memory_device",
-        "in_order",
-    }
-)
-
-#: Attributes torch's DataLoader forbids setting after construction; so do we.
-_FROZEN_ATTRS = frozenset(
-    {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"}
-)
+#: The batch type: what ``collate_fn`` returns (``Any`` with torch's default collation).
+_B = TypeVar("_B", default=Any)
+_E = TypeVar("_E")
 
 
 class LoaderStats(NamedTuple):
@@ -103,7 +81,7 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class AsyncDataLoader(Generic[_T_co]):
+class AsyncDataLoader(TorchAttributes, Generic[_B]):
     """Loads batches like ``torch.utils.data.DataLoader``, as an async iterator.
 
     Every argument of torch's ``DataLoader`` is accepted with the same meaning, default and
@@ -131,9 +109,11 @@ class AsyncDataLoader(Generic[_T_co]):
             send_idx)``, so the same ``generator`` gives bit-identical batches for any
             ``num_workers`` and after a resume, and in-order loading may use one shared queue
             (a slow batch no longer holds up the batches queued behind it on its worker).
-        rank, world_size: This process's place in data-parallel training, shown to workers as
-            ``get_worker_info().rank``/``.world_size`` (for sharding an ``IterableDataset``).
-            Default: ``torch.distributed``'s when it is initialised, else 0 and 1.
+        rank: This process's place in data-parallel training, shown to workers as
+            ``get_worker_info().rank`` (for sharding an ``IterableDataset``). Give it with
+            ``world_size``. Default: ``torch.distributed``'s when it is initialised, else 0.
+        world_size: The number of data-parallel processes, shown to workers as
+            ``get_worker_info().world_size``. Default: ``torch.distributed``'s, else 1.
         executor: How the ``num_workers`` workers run (see docs/backends.md). ``"process"``
             (default): worker processes, as torch. ``"thread"``: worker threads of this process,
             each with its own ``get_worker_info()``, for work that releases the GIL; the dataset
@@ -151,13 +131,13 @@ class AsyncDataLoader(Generic[_T_co]):
 
     def __init__(
         self,
-        dataset: Dataset[_T_co],
+        dataset: Dataset[Any],
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
         num_workers: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate_fn: Callable[[list[Any]], _B] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
         timeout: float = 0,
@@ -243,7 +223,7 @@ class AsyncDataLoader(Generic[_T_co]):
             DeviceStage(pin_memory=pin_memory, device=device, pin_memory_device=pin_memory_device)
         self.device = device
         self.device_prefetch = device_prefetch
-        object.__setattr__(self, "_torch", torch_loader)
+        self._torch = torch_loader
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
         # Which worker loads a batch decides its random augmentations (each worker's RNG is one
         # stream seeded base_seed + worker_id). In order, batches go to workers round-robin as in
@@ -271,7 +251,6 @@ class AsyncDataLoader(Generic[_T_co]):
         self._persistent_seed: int | None = None
         self._pool_lock: asyncio.Lock | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # epochs' cleanups; aclose() waits
-        self._initialized = True
         # stats
         self._batches = 0
         self._samples = 0
@@ -283,23 +262,8 @@ class AsyncDataLoader(Generic[_T_co]):
 
     # ---------------------------------------------------------------- torch-compatible attributes
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if getattr(self, "_initialized", False) and name in _TORCH_ATTRS:
-            if name in _FROZEN_ATTRS:
-                raise ValueError(
-                    f"{name} attribute should not be set after {type(self).__name__} is initialized"
-                )
-            # torch validates and converts (multiprocessing_context="spawn" -> a context).
-            setattr(self._torch, name, value)
-            return
-        super().__setattr__(name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        # dataset, batch_size, sampler, collate_fn, ...: read from the torch DataLoader that
-        # validated them, so they hold exactly what torch would (defaults filled in).
-        if name in _TORCH_ATTRS:
-            return getattr(self._torch, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def _torch_loader(self) -> DataLoader[Any]:
+        return self._torch
 
     @property
     def _index_sampler(self) -> Any:
@@ -319,20 +283,31 @@ class AsyncDataLoader(Generic[_T_co]):
     def __iter__(self) -> NoReturn:
         raise TypeError(
             f"{type(self).__name__!r} object is not iterable: it is an async iterable. Use "
-            "`async for batch in loader:` inside a coroutine (or top-level `await` in a notebook)"
+            "`async for batch in loader:` inside a coroutine (or top-level `await` in a "
+            "notebook), or `for batch in loader.sync():` in synchronous code"
         )
+
+    def sync(self) -> SyncDataLoader[_B]:
+        """This loader for synchronous code: ``for batch in loader.sync():``.
+
+        The loader runs on an event loop in one background thread, with the same batches, order
+        and errors. Closing the returned :class:`~aioloader.SyncDataLoader` (``with`` or
+        ``close()``) closes this loader and ends that thread. Every call returns the same object;
+        once bridged, iterate the loader only through it.
+        """
+        return SyncDataLoader._of(self)
 
     # -------------------------------------------------------------------------------- lifecycle
 
-    async def __aenter__(self) -> AsyncDataLoader[_T_co]:
-        if self._state is _State.CLOSED:
-            raise _closed_error()
+    async def __aenter__(self) -> Self:
+        _require_asyncio()
+        self._check_open()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def __aiter__(self) -> _EpochIterator[Any]:
+    def __aiter__(self) -> _EpochIterator[_B]:
         """Start an epoch.
 
         Without persistent workers each epoch has its own workers, so epochs may overlap (a
@@ -340,8 +315,8 @@ class AsyncDataLoader(Generic[_T_co]):
         are shared: a new epoch ends the one still running, whose consumer then gets
         :class:`~aioloader.EpochEndedError`.
         """
-        if self._state is _State.CLOSED:
-            raise _closed_error()
+        self._check_open()
+        _require_asyncio()
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             # This process is a spawn/forkserver worker still importing the main module: the
             # script iterates a loader at import time. Say so in one line here, before the start
@@ -409,6 +384,13 @@ class AsyncDataLoader(Generic[_T_co]):
         self._epoch_no += 1
         self._epochs.add(epoch)
         return _EpochIterator(epoch)
+
+    def _check_open(self) -> None:
+        if self._state is _State.CLOSED:
+            raise _closed_error()
+
+    def _is_closed(self) -> bool:
+        return self._state is _State.CLOSED
 
     # ----------------------------------------------------------------------------------- resume
 
@@ -776,16 +758,16 @@ class AsyncDataLoader(Generic[_T_co]):
         )
 
 
-class _EpochIterator(Generic[_B]):
+class _EpochIterator(Generic[_E]):
     """What ``async for`` holds. Dropping it (``break``) ends the epoch and frees its workers."""
 
     def __init__(self, epoch: Epoch) -> None:
         self._epoch = epoch
 
-    def __aiter__(self) -> _EpochIterator[_B]:
+    def __aiter__(self) -> _EpochIterator[_E]:
         return self
 
-    def __anext__(self) -> Coroutine[Any, Any, _B]:
+    def __anext__(self) -> Coroutine[Any, Any, _E]:
         return _next(self, self._epoch.consumer.next())
 
     async def aclose(self) -> None:
@@ -853,6 +835,26 @@ def _check_executor(
             f"worker_nice sets the priority of worker processes; executor={name!r} has none: "
             "drop worker_nice (or use executor='process')"
         )
+
+
+def _require_asyncio() -> None:
+    """Raise a clear error unless an asyncio event loop runs in this thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return
+    trio: Any = sys.modules.get("trio")
+    in_trio = trio is not None and trio.lowlevel.in_trio_run()
+    library = "trio (through anyio's trio backend, or trio itself)" if in_trio else "none"
+    raise RuntimeError(
+        f"aioloader needs an asyncio event loop (asyncio.run, uvloop, anyio's asyncio backend or "
+        f"a notebook's top-level await); event loop running here: {library}. Iterate the loader "
+        "with `async for` in a coroutine that asyncio runs (under anyio: "
+        "anyio.run(main, backend='asyncio')), or use `for batch in loader.sync():` in "
+        "synchronous code"
+    )
 
 
 def _closed_error() -> LoaderClosedError:
