@@ -256,7 +256,12 @@ class ThreadWorkers:
                         self._drop_last,
                     )
             try:
-                data = Direct(state.fetcher.fetch(indices))
+                if isinstance(indices, _worker.Samples):  # an async source's samples
+                    data = Direct(
+                        self._dataset.collate(indices, self._collate_fn, self._auto_collation)
+                    )
+                else:
+                    data = Direct(state.fetcher.fetch(indices))
             except StopIteration:
                 if not iterable:
                     raise

@@ -67,3 +67,13 @@ def test_unknown_executor_is_a_clear_error() -> None:
         AsyncDataLoader(datasets.RangeDataset(4), num_workers=2, executor="threads")
     with pytest.raises(TypeError, match="executor should be"):
         AsyncDataLoader(datasets.RangeDataset(4), num_workers=2, executor=object())  # type: ignore[arg-type]
+
+
+async def test_async_source_is_collated_on_thread_workers() -> None:
+    async def source() -> Any:
+        for i in range(10):
+            yield torch.tensor([i])
+
+    async with AsyncDataLoader(source(), batch_size=4, num_workers=2, executor="thread") as loader:
+        got = [b.flatten().tolist() for b in await collect(loader)]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
