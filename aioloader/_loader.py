@@ -574,9 +574,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             progress = Progress(
                 pending.epoch,
                 start,
-                Position(
-                    pending.position.low, pending.position.above, counting=self._is_iterable
-                ),
+                Position(pending.position.low, pending.position.above, counting=self._is_iterable),
                 worker_states=pending.worker_states,
                 last_worker=pending.last_worker,
                 iterable=self._is_iterable,
