@@ -42,8 +42,6 @@ class ReorderBuffer(Generic[_T]):
         self._released = start + len(self._ahead)  # items released + indices skipped
         self._end: int | None = None
         self._failure: BaseException | None = None
-        #: How many times get() had to wait: the consumer tells from it whether it yielded.
-        self.waits = 0
         #: The ``send_idx`` of the item :meth:`get` returned last.
         self.last_idx = -1
 
@@ -139,5 +137,4 @@ class ReorderBuffer(Generic[_T]):
             if self._done():
                 raise StopAsyncIteration
             self._arrived.clear()
-            self.waits += 1
             await self._arrived.wait()

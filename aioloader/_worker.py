@@ -37,7 +37,17 @@ from torch.utils.data._utils import worker as torch_worker
 
 from . import _transport
 
-__all__ = ("Exhausted", "Extra", "RemoteError", "Result", "WorkerSpec", "fetch", "init")
+__all__ = (
+    "Exhausted",
+    "Extra",
+    "RemoteError",
+    "Result",
+    "SampleCollator",
+    "Samples",
+    "WorkerSpec",
+    "fetch",
+    "init",
+)
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,54 @@ class WorkerSpec:
     #: This process's rank and world size in data-parallel training (``get_worker_info()``).
     rank: int = 0
     world_size: int = 1
+
+
+class Samples(list[Any]):
+    """A task's samples, already read by the main process (an async source): collate these.
+
+    Submitted in place of an index batch, so the executors, the recovery and the reorder buffer
+    carry it unchanged. Its repr is short: it names a batch in error messages.
+    """
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} samples from an async source>"
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Plain pickle copies tensors inline. The executor's queue would otherwise use torch's
+        # shared-memory reduction: one segment and one fd per sample tensor, moved in place.
+        return _load_samples, (pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL),)
+
+
+def _load_samples(data: bytes) -> Samples:
+    return Samples(pickle.loads(data))
+
+
+class SampleCollator:
+    """The dataset a worker holds for an async source: the source itself never leaves the loop.
+
+    ``get_worker_info().dataset`` is this object. ``transform`` runs per sample, then
+    ``collate_fn`` on the list (or on the one sample when ``batch_size=None``).
+    """
+
+    def __init__(self, transform: Any) -> None:
+        self.transform = transform
+
+    def collate(self, samples: list[Any], collate_fn: Any, auto_collation: bool) -> Any:
+        transform = self.transform
+        if transform is not None:
+            samples = [transform(s) for s in samples]
+        try:
+            if auto_collation:
+                return collate_fn(samples)
+            return collate_fn(samples[0])
+        except TypeError as exc:
+            if transform is None and "default_collate" in str(exc):
+                exc.add_note(
+                    "aioloader: the async source yielded samples that collate_fn cannot batch; "
+                    "pass transform= (a function run per sample in the workers) that turns each "
+                    "one into tensors, numbers or containers of them, or a collate_fn of your own"
+                )
+            raise
 
 
 class Exhausted(NamedTuple):
@@ -276,6 +334,28 @@ def _default_collate_small_inline(batch: Any) -> Any:
     return torch_collate.collate(batch, collate_fn_map=_COLLATE_FN_MAP)
 
 
+def _collate_tensors_no_shm(
+    batch: list[torch.Tensor], *, collate_fn_map: Any = None
+) -> torch.Tensor:
+    saved = torch_worker._worker_info
+    torch_worker._worker_info = None  # a Ray actor process runs no other thread that reads it
+    try:
+        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
+    finally:
+        torch_worker._worker_info = saved
+
+
+_COLLATE_NO_SHM_MAP = {
+    **torch_collate.default_collate_fn_map,
+    torch.Tensor: _collate_tensors_no_shm,
+}
+
+
+def _default_collate_no_shm(batch: Any) -> Any:
+    """``default_collate`` as outside a worker: no batch in shared memory (Ray actors)."""
+    return torch_collate.collate(batch, collate_fn_map=_COLLATE_NO_SHM_MAP)
+
+
 def init(spec: WorkerSpec, id_counter: Any, slots: Any, epoch_slots: Any, pid_slots: Any) -> None:
     """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
 
@@ -302,16 +382,36 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, epoch_slots: Any, pid_sl
             worker_id = id_counter.value
             id_counter.value += 1
     pid_slots[worker_id] = os.getpid()
-    _state.worker_id = worker_id
-    _state.spec = spec
     _state.slots = slots
     _state.epoch_slots = epoch_slots
-    try:
+
+    def objects() -> tuple[Any, Any, Any]:
         if spec.objects is not None:
-            dataset, collate_fn, worker_init_fn = spec.objects
-        else:
-            assert spec.payload_file is not None
-            dataset, collate_fn, worker_init_fn = _transport.load_payload(*spec.payload_file)
+            return spec.objects
+        assert spec.payload_file is not None
+        return _transport.load_payload(*spec.payload_file)  # type: ignore[no-any-return]
+
+    setup(spec, worker_id, objects)
+
+
+def setup(
+    spec: WorkerSpec,
+    worker_id: int,
+    objects: Any,
+    *,
+    shm_collate: bool = True,
+) -> None:
+    """This process's worker state: seeds, ``WorkerInfo``, ``worker_init_fn``. Never raises.
+
+    Shared by process workers (:func:`init`) and Ray actors. ``objects()`` returns the dataset,
+    ``collate_fn`` and ``worker_init_fn``. ``shm_collate=False``: ``default_collate`` never
+    builds batches in shared memory (a Ray actor's results travel through Ray's object store).
+    A failure is stored and reported by every later fetch (see :func:`init`).
+    """
+    _state.worker_id = worker_id
+    _state.spec = spec
+    try:
+        dataset, collate_fn, worker_init_fn = objects()
         seed = spec.base_seed + worker_id
         random.seed(seed)
         torch.manual_seed(seed)
@@ -331,7 +431,7 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, epoch_slots: Any, pid_sl
         )
         _state.dataset = dataset
         if collate_fn is torch_collate.default_collate:
-            collate_fn = _default_collate_small_inline
+            collate_fn = _default_collate_small_inline if shm_collate else _default_collate_no_shm
         _state.collate_fn = collate_fn
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
@@ -344,7 +444,12 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, epoch_slots: Any, pid_sl
 
 
 def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
-    """Load and collate one batch. Runs in: a worker process."""
+    """Load and collate one batch (or collate :class:`Samples`). Runs in: a worker process."""
+    return load(send_idx, indices, epoch, _transport.dumps_result)
+
+
+def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
+    """Load and collate one batch; ``encode(batch)`` becomes ``Result.data``. Never raises."""
     start = time.perf_counter()
     wid = _state.worker_id
     if _state.init_error is not None:
@@ -387,10 +492,12 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
                     send_idx, epoch, wid, os.getpid(), Exhausted(wid), time.perf_counter() - start
                 )
             state = capture_state(_state.fetcher, _state.dataset)
+        elif isinstance(indices, Samples):
+            batch = _state.dataset.collate(indices, _state.collate_fn, spec.auto_collation)
         else:
             batch = _state.fetcher.fetch(indices)
         try:
-            data: bytes | RemoteError = _transport.dumps_result(batch)
+            data: object = encode(batch)
         except Exception as exc:
             exc.add_note(
                 f"aioloader: the batch loaded for send_idx={send_idx} cannot be pickled to send it "
