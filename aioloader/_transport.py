@@ -4,9 +4,14 @@ Two directions, two policies:
 
 * **Results (worker -> main).** A batch is pickled *in the worker* into ``bytes`` and the executor
   only moves those bytes. Tensors below :data:`INLINE_TENSOR_BYTES` travel inline (a memcpy);
-  larger ones travel through shared memory with torch's own reductions, which hand over a file
-  descriptor and never copy the data through the pipe. A shared-memory segment costs a descriptor
-  hand-over per tensor (a socket round trip with the worker), which dominates for small tensors.
+  larger ones travel through shared memory and never through the pipe. Their descriptors go
+  in-band: each worker has a :class:`FdChannel` (a Unix socket pair), and the worker sends one
+  message holding a result's descriptors right *before* the result itself, so when the main
+  process reads the result the descriptors are already waiting. torch's own reduction instead
+  makes the receiver connect to a listener thread in the (busy, niced) worker and authenticate
+  for every descriptor: several round trips and thread wake-ups on both sides per batch. That
+  path remains the fallback (special tensors, the ``file_system`` sharing strategy, a full
+  channel).
 * **Worker payload (main -> workers, spawn/forkserver only).** The dataset, ``collate_fn`` and
   ``worker_init_fn`` are pickled *once* into an unnamed file that every worker reads in parallel,
   instead of once per worker through each worker's start-up pipe. Tensors of at least
@@ -18,14 +23,22 @@ Two directions, two policies:
 
 from __future__ import annotations
 
+import array
+import contextlib
 import copyreg
 import ctypes
+import errno
 import io
 import mmap
 import os
 import pickle
+import secrets
+import socket
+import struct
 import sys
 import tempfile
+import threading
+import weakref
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -36,6 +49,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 __all__ = (
     "INLINE_TENSOR_BYTES",
     "SHARED_PAYLOAD_TENSOR_BYTES",
+    "FdChannel",
     "PayloadFile",
     "dump_payload",
     "dumps_result",
@@ -60,11 +74,188 @@ _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 # Results: worker -> main
 
 
+#: At most this many descriptors travel with one result (the kernel's limit per message is 253);
+#: further large tensors of the same batch take torch's own path.
+_MAX_FDS_PER_RESULT = 250
+
+_HEADER = struct.Struct("=qqi")  # (epoch, send_idx, number of descriptors)
+
+
+class FdChannel:
+    """One worker's descriptor channel: a ``SOCK_SEQPACKET`` pair, one message per result.
+
+    Created in the main process before the worker starts. The worker sends, for a result tagged
+    ``(epoch, send_idx)``, one message with that tag and the descriptors of its shared-memory
+    storages, before it returns the result; the main process takes the message when it unpickles
+    the result. A message taken for a later result (results unpickled out of order) is kept for
+    it; unclaimed ones are closed with the channel. Thread-safe on the receiving side.
+    """
+
+    #: Messages kept for results not unpickled yet; beyond this the oldest are closed.
+    MAX_PENDING = 64
+
+    def __init__(self) -> None:
+        self.key = secrets.randbits(62)
+        self.main_end, self.worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.main_end.setblocking(False)
+        self._lock = threading.Lock()
+        # tag -> descriptor lists received for it, oldest first
+        self._pending: dict[tuple[int, int], list[list[int]]] = {}
+        self._npending = 0
+        _channels[self.key] = self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Only the worker's end travels to a worker (spawn/forkserver pass the descriptor).
+        return (_adopt_worker_end, (self.key, self.worker_end))
+
+    def close_worker_end(self) -> None:
+        """Close the main process's copy of the worker's end, once the worker has started."""
+        self.worker_end.close()
+
+    def close(self) -> None:
+        """Close both ends and every descriptor received but not claimed."""
+        _channels.pop(self.key, None)
+        with self._lock:
+            for lists in self._pending.values():
+                for fds in lists:
+                    _close_all(fds)
+            self._pending.clear()
+            self.main_end.close()
+        self.worker_end.close()
+
+    def take(self, tag: tuple[int, int]) -> list[int]:
+        """The descriptors sent for ``tag``; the caller owns (and closes) them.
+
+        Raises ``OSError`` (``EMFILE`` if this process ran out of descriptors while receiving
+        them, ``ENOENT`` if no message for ``tag`` was sent).
+        """
+        with self._lock:
+            kept = self._pending.get(tag)
+            if kept:
+                self._npending -= 1
+                fds = kept.pop(0)
+                if not kept:
+                    del self._pending[tag]
+                return fds
+            while True:
+                msg_tag, fds = self._recv()  # raises OSError once the socket is empty
+                if msg_tag == tag:
+                    return fds
+                self._pending.setdefault(msg_tag, []).append(fds)
+                self._npending += 1
+                if self._npending > self.MAX_PENDING:
+                    oldest = next(iter(self._pending))
+                    _close_all(self._pending[oldest].pop(0))
+                    self._npending -= 1
+                    if not self._pending[oldest]:
+                        del self._pending[oldest]
+
+    def _recv(self) -> tuple[tuple[int, int], list[int]]:
+        fds = array.array("i")
+        try:
+            msg, anc, flags, _ = self.main_end.recvmsg(
+                _HEADER.size, socket.CMSG_SPACE(_MAX_FDS_PER_RESULT * fds.itemsize)
+            )
+        except BlockingIOError:
+            raise OSError(errno.ENOENT, "no descriptors were sent with this result") from None
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+        epoch, send_idx, n = _HEADER.unpack(msg)
+        if flags & socket.MSG_CTRUNC or len(fds) != n:
+            # The kernel drops the descriptors it could not install (the process is at its
+            # descriptor limit).
+            _close_all(list(fds))
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return (epoch, send_idx), list(fds)
+
+
+_channels: weakref.WeakValueDictionary[int, FdChannel] = weakref.WeakValueDictionary()
+
+
+class _WorkerEnd:
+    def __init__(self, key: int, sock: socket.socket) -> None:
+        self.key = key
+        self.sock = sock
+
+    def send(self, tag: tuple[int, int], fds: list[int]) -> bool:
+        """Send ``fds`` tagged ``tag``; False (nothing sent) if the channel is full or closed."""
+        try:
+            self.sock.sendmsg(
+                [_HEADER.pack(tag[0], tag[1], len(fds))],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                socket.MSG_DONTWAIT,
+            )
+        except OSError:
+            return False
+        return True
+
+
+def _adopt_worker_end(key: int, sock: socket.socket) -> _WorkerEnd:
+    return _WorkerEnd(key, sock)
+
+
+def worker_end(channel: FdChannel | _WorkerEnd) -> _WorkerEnd:
+    """The worker's side of ``channel``: a forked worker inherits the whole object."""
+    if isinstance(channel, FdChannel):
+        return _WorkerEnd(channel.key, channel.worker_end)
+    return channel
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def _rebuild_inline_tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype)
     if data:
         ctypes.memmove(out.data_ptr(), data, len(data))
     return out
+
+
+class _Receiving(threading.local):
+    # Per thread, while loads_result runs: descriptors taken per (channel key, tag), and the
+    # storages rebuilt from them (views of one storage share it, as in the worker).
+    fds: dict[tuple[int, int, int], list[int]] | None = None
+    storages: dict[tuple[int, int, int, int], torch.UntypedStorage] | None = None
+
+
+_receiving = _Receiving()
+
+
+def _rebuild_channel_tensor(
+    key: int,
+    tag: tuple[int, int],
+    slot: int,
+    nbytes: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    offset: int,
+) -> torch.Tensor:
+    got, storages = _receiving.fds, _receiving.storages
+    if got is None or storages is None:
+        raise RuntimeError("aioloader bug: a shared-memory tensor unpickled outside loads_result")
+    storage = storages.get((key, *tag, slot))
+    if storage is None:
+        fds = got.get((key, *tag))
+        if fds is None:
+            channel = _channels.get(key)
+            if channel is None:
+                raise OSError(errno.ENOENT, "the worker pool that sent this batch is closed")
+            fds = got[(key, *tag)] = channel.take(tag)
+        try:
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fds[slot], nbytes)  # type: ignore[attr-defined]
+        except RuntimeError as exc:
+            # It duplicates the descriptor (ours is valid: it was just received), so a failure
+            # is the descriptor limit.
+            if "could not duplicate" in str(exc) or "Too many open files" in str(exc):
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE)) from exc
+            raise
+        storages[(key, *tag, slot)] = storage
+    return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
 def _is_plain_cpu_tensor(t: torch.Tensor) -> bool:
@@ -77,36 +268,121 @@ def _is_plain_cpu_tensor(t: torch.Tensor) -> bool:
     )
 
 
-def _reduce_result_tensor(t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    nbytes = t.numel() * t.element_size()
-    if nbytes < INLINE_TENSOR_BYTES and _is_plain_cpu_tensor(t):
-        # A conjugated or negated view is lazy: its memory holds the values before the flip, and
-        # contiguous() keeps the flag. Materialise it, or the raw bytes would be wrong.
-        c = t.resolve_conj().resolve_neg().contiguous()
-        data = ctypes.string_at(c.data_ptr(), nbytes) if nbytes else b""
-        return _rebuild_inline_tensor, (data, t.dtype, tuple(t.shape))
-    # Large or special tensors: torch's own reduction, which moves the storage into shared memory
-    # (default_collate already built it there when get_worker_info() is set) and sends an fd.
-    return reduce_tensor(t)  # type: ignore[no-untyped-call,no-any-return]
+# ForkingPickler's table holds torch's storage/event reductions; tensors get _TensorReducer.
+_DISPATCH_TABLE = copyreg.dispatch_table.copy()
+_DISPATCH_TABLE.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
 
 
-class _ResultPickler(pickle.Pickler):
-    # ForkingPickler's table holds torch's storage/event reductions; tensors get our policy above.
-    dispatch_table = copyreg.dispatch_table.copy()
-    dispatch_table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
-    dispatch_table[torch.Tensor] = _reduce_result_tensor
+class _TensorReducer:
+    """How one result's tensors are pickled; collects the descriptors to send with it.
+
+    Kept apart from the pickler (which refers to it through its dispatch table) so that no
+    reference cycle keeps the batch's storages alive in the worker after pickling.
+    """
+
+    def __init__(self, channel: _WorkerEnd | None, tag: tuple[int, int]) -> None:
+        self._channel = channel
+        self._tag = tag
+        #: Descriptors to send with this result, and each storage's slot among them.
+        self.fds: list[int] = []
+        self._slots: dict[int, int] = {}
+        self._keep: list[torch.UntypedStorage] = []  # each fd stays open until sent
+
+    def __call__(self, t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        nbytes = t.numel() * t.element_size()
+        plain = _is_plain_cpu_tensor(t)
+        if nbytes < INLINE_TENSOR_BYTES and plain:
+            # A conjugated or negated view is lazy: its memory holds the values before the flip,
+            # and contiguous() keeps the flag. Materialise it, or the raw bytes would be wrong.
+            c = t.resolve_conj().resolve_neg().contiguous()
+            data = ctypes.string_at(c.data_ptr(), nbytes) if nbytes else b""
+            return _rebuild_inline_tensor, (data, t.dtype, tuple(t.shape))
+        if t.is_conj() or t.is_neg():
+            # torch's reduction drops the lazy flag (the receiver would see unflipped values),
+            # and a storage carries none: send the materialised values.
+            t = t.resolve_conj().resolve_neg()
+        channel = self._channel
+        if (
+            channel is not None
+            and plain
+            and torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # type: ignore[no-untyped-call]
+        ):
+            storage = t.untyped_storage()
+            slot = self._slots.get(storage.data_ptr())
+            if slot is None and len(self.fds) < _MAX_FDS_PER_RESULT:
+                # Moves the storage into shared memory unless it is there already (default_collate
+                # builds batches there in a worker); the descriptor stays the storage's own.
+                fd, _size = storage._share_fd_cpu_()
+                slot = self._slots[storage.data_ptr()] = len(self.fds)
+                self.fds.append(fd)
+                self._keep.append(storage)
+            if slot is not None:
+                return _rebuild_channel_tensor, (
+                    channel.key,
+                    self._tag,
+                    slot,
+                    storage.nbytes(),
+                    t.dtype,
+                    tuple(t.shape),
+                    t.stride(),
+                    t.storage_offset(),
+                )
+        # Special tensors, or no channel: torch's own reduction, which moves the storage into
+        # shared memory and has the receiver fetch its descriptor from this process.
+        return reduce_tensor(t)  # type: ignore[no-untyped-call,no-any-return]
 
 
-def dumps_result(obj: object) -> bytes:
-    """Pickle a batch for the trip to the main process (small tensors inline, large ones shared)."""
+_worker_channel: _WorkerEnd | None = None
+
+
+def set_worker_channel(channel: FdChannel | _WorkerEnd | None) -> None:
+    """In a worker: send large tensors' descriptors through ``channel`` (None: torch's way)."""
+    global _worker_channel
+    _worker_channel = None if channel is None else worker_end(channel)
+
+
+def dumps_result(obj: object, tag: tuple[int, int] = (-1, -1)) -> bytes:
+    """Pickle a batch for the trip to the main process (small tensors inline, large ones shared).
+
+    In a worker with a channel, the descriptors of large tensors are sent on it, tagged ``tag``
+    (``(epoch, send_idx)``, unique among the results of this worker), before this returns.
+    """
+    reducer = _TensorReducer(_worker_channel, tag)
+    data = _dumps(obj, reducer)
+    if reducer.fds:
+        assert _worker_channel is not None
+        if not _worker_channel.send(tag, reducer.fds):
+            # The channel is full or gone: pickle again the way torch does.
+            data = _dumps(obj, _TensorReducer(None, tag))
+    return data
+
+
+def _dumps(obj: object, reducer: _TensorReducer) -> bytes:
     buf = io.BytesIO()
-    _ResultPickler(buf, protocol=_PICKLE_PROTOCOL).dump(obj)
+    pickler = pickle.Pickler(buf, protocol=_PICKLE_PROTOCOL)
+    table = _DISPATCH_TABLE.copy()
+    table[torch.Tensor] = reducer
+    pickler.dispatch_table = table
+    pickler.dump(obj)
     return buf.getvalue()
 
 
 def loads_result(data: bytes) -> Any:
-    """Rebuild a batch pickled by :func:`dumps_result`."""
-    return pickle.loads(data)
+    """Rebuild a batch pickled by :func:`dumps_result`. Thread-safe.
+
+    Raises ``OSError`` if a shared-memory tensor's descriptor cannot be received (``EMFILE`` at
+    the descriptor limit).
+    """
+    outer = _receiving.fds
+    _receiving.fds, _receiving.storages = {}, {}
+    try:
+        return pickle.loads(data)
+    finally:
+        taken = _receiving.fds
+        _receiving.fds, _receiving.storages = outer, None
+        for fds in taken.values():
+            # The storages hold duplicates of their own.
+            _close_all(fds)
 
 
 # --------------------------------------------------------------------------------------------------

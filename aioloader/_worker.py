@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -198,7 +199,14 @@ def _default_collate_small_inline(batch: Any) -> Any:
     return torch_collate.collate(batch, collate_fn_map=_COLLATE_FN_MAP)
 
 
-def init(spec: WorkerSpec, id_counter: Any, slots: Any, epoch_slots: Any, pid_slots: Any) -> None:
+def init(
+    spec: WorkerSpec,
+    id_counter: Any,
+    slots: Any,
+    epoch_slots: Any,
+    pid_slots: Any,
+    channels: Sequence[_transport.FdChannel] | None = None,
+) -> None:
     """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
 
     A failure (any ``BaseException`` from user code, ``SystemExit`` included) is stored and
@@ -224,6 +232,8 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, epoch_slots: Any, pid_sl
             worker_id = id_counter.value
             id_counter.value += 1
     pid_slots[worker_id] = os.getpid()
+    if channels is not None:
+        _transport.set_worker_channel(channels[worker_id])
     _state.worker_id = worker_id
     _state.spec = spec
     _state.slots = slots
@@ -296,7 +306,7 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
         else:
             batch = _state.fetcher.fetch(indices)
         try:
-            data: bytes | RemoteError = _transport.dumps_result(batch)
+            data: bytes | RemoteError = _transport.dumps_result(batch, (epoch, send_idx))
         except Exception as exc:
             exc.add_note(
                 f"aioloader: the batch loaded for send_idx={send_idx} cannot be pickled to send it "
