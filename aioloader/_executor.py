@@ -135,7 +135,10 @@ class WorkerPool:
         self._pid_slots: Any = ctx.RawArray(ctypes.c_longlong, [0] * self.num_workers)
         # One per worker id: large tensors' descriptors travel with the results, not through a
         # connection from the main process to each worker per batch (see _transport).
-        self._channels = [_transport.FdChannel() for _ in range(self.num_workers)]
+        self._channels = [
+            _transport.FdChannel(ctx.RawArray(ctypes.c_ubyte, _transport.POOL_SLOTS))
+            for _ in range(self.num_workers)
+        ]
         self._closed = False
         self._owns_payload = True
         # Serialises _shutdown_sync/_kill_sync: a second caller (another thread) waits until the

@@ -44,7 +44,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import reduce_tensor
+from torch.multiprocessing.reductions import StorageWeakRef, reduce_tensor
 
 __all__ = (
     "INLINE_TENSOR_BYTES",
@@ -94,8 +94,13 @@ class FdChannel:
     #: Messages kept for results not unpickled yet; beyond this the oldest are closed.
     MAX_PENDING = 64
 
-    def __init__(self) -> None:
+    def __init__(self, in_use: Any = None) -> None:
+        """``in_use``: a shared byte array of :data:`POOL_SLOTS` (``ctx.RawArray``) that turns
+        on the worker's pool of reused batch buffers; None leaves it off."""
         self.key = secrets.randbits(62)
+        self.in_use = in_use
+        # Batches built in the worker's pool and still alive here: (storage, pool slot).
+        self._outstanding: list[tuple[Any, int]] = []
         self.main_end, self.worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.main_end.setblocking(False)
         self._lock = threading.Lock()
@@ -106,7 +111,31 @@ class FdChannel:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the worker's end travels to a worker (spawn/forkserver pass the descriptor).
-        return (_adopt_worker_end, (self.key, self.worker_end))
+        return (_WorkerEnd, (self.key, self.worker_end, self.in_use))
+
+    def track_pooled(self, storage: torch.UntypedStorage, slot: int) -> None:
+        """``storage`` maps the worker's pool buffer ``slot``: free it once no tensor uses it."""
+        ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        with self._lock:
+            self._outstanding.append((ref, slot))
+
+    def release_dropped(self) -> None:
+        """Hand back to the worker every pool buffer no tensor of this process uses any more.
+
+        Called with every result received: a buffer the consumer dropped is reusable from the
+        worker's next batch on. A storage's weak reference expires only once every tensor and
+        view of it is gone, so a buffer is never rewritten while anything here can read it.
+        """
+        with self._lock:
+            if not self._outstanding or self.in_use is None:
+                return
+            alive = []
+            for ref, slot in self._outstanding:
+                if ref.expired():
+                    self.in_use[slot] = 0
+                else:
+                    alive.append((ref, slot))
+            self._outstanding = alive
 
     def close_worker_end(self) -> None:
         """Close the main process's copy of the worker's end, once the worker has started."""
@@ -137,6 +166,8 @@ class FdChannel:
                 if not kept:
                     del self._pending[tag]
                 return fds
+        self.release_dropped()
+        with self._lock:
             while True:
                 msg_tag, fds = self._recv()  # raises OSError once the socket is empty
                 if msg_tag == tag:
@@ -173,10 +204,50 @@ class FdChannel:
 _channels: weakref.WeakValueDictionary[int, FdChannel] = weakref.WeakValueDictionary()
 
 
+#: Reused batch buffers per worker. A batch that finds none free (the consumer holds them all)
+#: is collated into a fresh segment, as torch does.
+POOL_SLOTS = 4
+
+
 class _WorkerEnd:
-    def __init__(self, key: int, sock: socket.socket) -> None:
+    """A worker's side of its :class:`FdChannel`, and its pool of reused batch buffers."""
+
+    def __init__(self, key: int, sock: socket.socket, in_use: Any = None) -> None:
         self.key = key
         self.sock = sock
+        self.in_use = in_use  # in_use[slot] is 1 from acquire() until the main process frees it
+        self.pool: list[torch.UntypedStorage | None] = [None] * POOL_SLOTS
+        self.slot_of: dict[int, int] = {}  # a pool storage's data_ptr -> its slot
+        self.unsent: list[int] = []  # slots acquired for the current task, not sent yet
+
+    def acquire(self, nbytes: int) -> torch.UntypedStorage | None:
+        """A shared-memory buffer of at least ``nbytes`` no one else uses, or None (use a fresh
+        one). Its pages are reused from an earlier batch: no allocation, no zero-filling."""
+        in_use = self.in_use
+        if in_use is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":  # type: ignore[no-untyped-call]
+            return None
+        free = [i for i in range(POOL_SLOTS) if not in_use[i]]
+        if not free:
+            return None
+        fits = [i for i in free if (st := self.pool[i]) is not None and st.nbytes() >= nbytes]
+        slot = fits[0] if fits else free[0]
+        storage = self.pool[slot]
+        if storage is None or storage.nbytes() < nbytes:
+            if storage is not None:
+                del self.slot_of[storage.data_ptr()]
+            storage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+            self.pool[slot] = storage
+            self.slot_of[storage.data_ptr()] = slot
+        in_use[slot] = 1
+        self.unsent.append(slot)
+        return storage
+
+    def release_unsent(self) -> None:
+        """Free the buffers acquired for a task whose result did not go out through the channel."""
+        if self.in_use is not None:
+            for slot in self.unsent:
+                self.in_use[slot] = 0
+        self.unsent.clear()
 
     def send(self, tag: tuple[int, int], fds: list[int]) -> bool:
         """Send ``fds`` tagged ``tag``; False (nothing sent) if the channel is full or closed."""
@@ -191,14 +262,10 @@ class _WorkerEnd:
         return True
 
 
-def _adopt_worker_end(key: int, sock: socket.socket) -> _WorkerEnd:
-    return _WorkerEnd(key, sock)
-
-
 def worker_end(channel: FdChannel | _WorkerEnd) -> _WorkerEnd:
     """The worker's side of ``channel``: a forked worker inherits the whole object."""
     if isinstance(channel, FdChannel):
-        return _WorkerEnd(channel.key, channel.worker_end)
+        return _WorkerEnd(channel.key, channel.worker_end, channel.in_use)
     return channel
 
 
@@ -234,17 +301,18 @@ def _rebuild_channel_tensor(
     shape: tuple[int, ...],
     stride: tuple[int, ...],
     offset: int,
+    pool_slot: int = -1,
 ) -> torch.Tensor:
     got, storages = _receiving.fds, _receiving.storages
     if got is None or storages is None:
         raise RuntimeError("aioloader bug: a shared-memory tensor unpickled outside loads_result")
     storage = storages.get((key, *tag, slot))
     if storage is None:
+        channel = _channels.get(key)
+        if channel is None:
+            raise OSError(errno.ENOENT, "the worker pool that sent this batch is closed")
         fds = got.get((key, *tag))
         if fds is None:
-            channel = _channels.get(key)
-            if channel is None:
-                raise OSError(errno.ENOENT, "the worker pool that sent this batch is closed")
             fds = got[(key, *tag)] = channel.take(tag)
         try:
             storage = torch.UntypedStorage._new_shared_fd_cpu(fds[slot], nbytes)  # type: ignore[attr-defined]
@@ -255,6 +323,8 @@ def _rebuild_channel_tensor(
                 raise OSError(errno.EMFILE, os.strerror(errno.EMFILE)) from exc
             raise
         storages[(key, *tag, slot)] = storage
+        if pool_slot >= 0:
+            channel.track_pooled(storage, pool_slot)
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
@@ -280,8 +350,14 @@ class _TensorReducer:
     reference cycle keeps the batch's storages alive in the worker after pickling.
     """
 
-    def __init__(self, channel: _WorkerEnd | None, tag: tuple[int, int]) -> None:
+    def __init__(
+        self, channel: _WorkerEnd | None, tag: tuple[int, int], pool: _WorkerEnd | None = None
+    ) -> None:
         self._channel = channel
+        # Without a channel, a tensor in the worker's pool buffers is copied out: the buffer is
+        # reused as soon as this task ends, and only the channel tells when the main process
+        # is done with it.
+        self._pool = pool
         self._tag = tag
         #: Descriptors to send with this result, and each storage's slot among them.
         self.fds: list[int] = []
@@ -326,7 +402,15 @@ class _TensorReducer:
                     tuple(t.shape),
                     t.stride(),
                     t.storage_offset(),
+                    channel.slot_of.get(storage.data_ptr(), -1),
                 )
+        pool = channel or self._pool
+        if (
+            pool is not None
+            and t.layout is torch.strided
+            and t.untyped_storage().data_ptr() in pool.slot_of
+        ):
+            t = t.clone()  # a pool buffer leaves only through the channel (see __init__)
         # Special tensors, or no channel: torch's own reduction, which moves the storage into
         # shared memory and has the receiver fetch its descriptor from this process.
         return reduce_tensor(t)  # type: ignore[no-untyped-call,no-any-return]
@@ -347,14 +431,43 @@ def dumps_result(obj: object, tag: tuple[int, int] = (-1, -1)) -> bytes:
     In a worker with a channel, the descriptors of large tensors are sent on it, tagged ``tag``
     (``(epoch, send_idx)``, unique among the results of this worker), before this returns.
     """
-    reducer = _TensorReducer(_worker_channel, tag)
+    channel = _worker_channel
+    reducer = _TensorReducer(channel, tag)
     data = _dumps(obj, reducer)
     if reducer.fds:
-        assert _worker_channel is not None
-        if not _worker_channel.send(tag, reducer.fds):
+        assert channel is not None
+        if channel.send(tag, reducer.fds):
+            # The main process frees the pool buffers of this result (FdChannel.release_dropped).
+            channel.unsent.clear()
+        else:
             # The channel is full or gone: pickle again the way torch does.
-            data = _dumps(obj, _TensorReducer(None, tag))
+            data = _dumps(obj, _TensorReducer(None, tag, pool=channel))
     return data
+
+
+def collate_into_pool(batch: list[torch.Tensor]) -> torch.Tensor | None:
+    """In a worker: ``torch.stack(batch)`` into a reused pool buffer, or None if there is none
+    (no channel, all buffers in use, or tensors that are not plain CPU tensors)."""
+    channel = _worker_channel
+    elem = batch[0]
+    if channel is None or channel.in_use is None or not all(_is_plain_cpu_tensor(x) for x in batch):
+        return None
+    shape = (len(batch), *elem.shape)
+    numel = len(batch) * elem.numel()
+    storage = channel.acquire(numel * elem.element_size())
+    if storage is None:
+        return None
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    out = torch.empty(0, dtype=elem.dtype).set_(storage, 0, shape, tuple(stride))
+    return torch.stack(batch, 0, out=out)
+
+
+def release_unsent() -> None:
+    """In a worker, after each task: free the pool buffers its result did not take."""
+    if _worker_channel is not None:
+        _worker_channel.release_unsent()
 
 
 def _dumps(obj: object, reducer: _TensorReducer) -> bytes:

@@ -178,10 +178,16 @@ def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -
     Inside a worker torch's ``collate_tensor_fn`` allocates every stacked batch in a fresh
     shared-memory segment. A small batch is copied into the result bytes anyway
     (:data:`~aioloader._transport.INLINE_TENSOR_BYTES`), so the segment is pure cost; for those
-    torch's function runs as it would outside a worker. Large batches are untouched.
+    torch's function runs as it would outside a worker. Large batches go into one of the worker's
+    reused buffers when one is free (see :func:`~aioloader._transport.collate_into_pool`), else
+    into a fresh segment as torch does.
     """
     elem = batch[0]
     if sum(x.numel() for x in batch) * elem.element_size() >= _transport.INLINE_TENSOR_BYTES:
+        if all(x.shape == elem.shape and x.dtype == elem.dtype for x in batch):
+            pooled = _transport.collate_into_pool(batch)
+            if pooled is not None:
+                return pooled
         return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
     saved = torch_worker._worker_info
     torch_worker._worker_info = None  # this process runs no other thread that reads it
@@ -319,6 +325,7 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
         # KeyboardInterrupt here is user code's too.
         data = RemoteError.capture(where)
     finally:
+        _transport.release_unsent()
         if slots is not None:
             slots[wid] = -1
     return Result(send_idx, epoch, wid, os.getpid(), data, time.perf_counter() - start)

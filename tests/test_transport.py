@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -147,3 +148,99 @@ async def test_workers_send_large_batches_on_their_channel(
     for i, b in enumerate(got):
         assert b.is_shared()
         assert b[:, 0, 0, 0].tolist() == [float(4 * i + k) for k in range(4)]
+
+
+@pytest.fixture
+def pooled_slots(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pool buffer slot of every batch built in a worker's pool, in arrival order."""
+    calls: list[int] = []
+    orig = _transport.FdChannel.track_pooled
+
+    def recording(self: _transport.FdChannel, storage: torch.UntypedStorage, slot: int) -> None:
+        calls.append(slot)
+        orig(self, storage, slot)
+
+    monkeypatch.setattr(_transport.FdChannel, "track_pooled", recording)
+    return calls
+
+
+async def test_pool_buffers_are_reused_once_the_consumer_drops_the_batch(
+    pooled_slots: list[int],
+) -> None:
+    ds = datasets.BigDataset(80, (3, 128, 128))
+    async with asyncio.timeout(120):
+        async with AsyncDataLoader(ds, batch_size=4, num_workers=1) as loader:
+            firsts = [float(b[0, 0, 0, 0]) async for b in loader]
+    assert firsts == [float(4 * i) for i in range(20)]
+    # A batch finds no free buffer only while the consumer and the queue hold them all.
+    assert len(pooled_slots) > _transport.POOL_SLOTS
+    assert set(pooled_slots) <= set(range(_transport.POOL_SLOTS))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+async def test_a_pool_buffer_is_never_rewritten_while_a_view_of_it_lives(
+    method: str, pooled_slots: list[int]
+) -> None:
+    ds = datasets.BigDataset(120, (3, 128, 128))
+    kept: dict[int, torch.Tensor] = {}
+    async with asyncio.timeout(120):
+        async with AsyncDataLoader(
+            ds, batch_size=4, num_workers=2, multiprocessing_context=method
+        ) as loader:
+            async for i, b in _enumerate(loader):
+                # Each batch arrives whole although the consumer scribbled on earlier ones.
+                assert b[:, 0, 0, 0].tolist() == [float(4 * i + k) for k in range(4)]
+                if i in (0, 3, 7):
+                    kept[i] = b[1:, 2]  # a view: the batch itself is dropped at once
+                else:
+                    b.fill_(-1.0)
+                for j, view in kept.items():
+                    assert torch.equal(view, _expected_view(j)), (i, j)
+    assert len(kept) == 3
+    assert len(pooled_slots) > 2 * _transport.POOL_SLOTS  # buffers were reused meanwhile
+    for j, view in kept.items():
+        assert torch.equal(view, _expected_view(j))
+
+
+def _expected_view(j: int) -> torch.Tensor:
+    values = torch.tensor([4.0 * j + 1, 4.0 * j + 2, 4.0 * j + 3])
+    return values.view(3, 1, 1).expand(3, 128, 128)
+
+
+async def _enumerate(loader: AsyncDataLoader[torch.Tensor]) -> Any:
+    i = 0
+    async for b in loader:
+        yield i, b
+        i += 1
+
+
+SHM_SCRIPT = """
+import asyncio, os, signal
+from aioloader import AsyncDataLoader
+from tests import datasets
+
+async def main():
+    loader = AsyncDataLoader(datasets.BigDataset(400, (3, 128, 128)), batch_size=4, num_workers=2)
+    kept = []
+    async for b in loader:
+        kept.append(b)
+        if len(kept) == 12:
+            print("LOADING", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+def test_nothing_is_left_in_dev_shm_when_the_process_is_killed() -> None:
+    import subprocess
+    import sys
+
+    before = set(os.listdir("/dev/shm"))
+    out = subprocess.run(
+        [sys.executable, "-c", SHM_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert "LOADING" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == -9
+    # The workers notice their parent's death and exit; their segments were unlinked at birth.
+    assert set(os.listdir("/dev/shm")) - before == set()
