@@ -166,7 +166,6 @@ class FdChannel:
                 if not kept:
                     del self._pending[tag]
                 return fds
-        self.release_dropped()
         with self._lock:
             while True:
                 msg_tag, fds = self._recv()  # raises OSError once the socket is empty
@@ -205,8 +204,10 @@ _channels: weakref.WeakValueDictionary[int, FdChannel] = weakref.WeakValueDictio
 
 
 #: Reused batch buffers per worker. A batch that finds none free (the consumer holds them all)
-#: is collated into a fresh segment, as torch does.
-POOL_SLOTS = 4
+#: is collated into a fresh segment, as torch does. The buffers stay resident while the workers
+#: live: on the ``big`` workload (38.5 MB batches, 2 workers) 3 buffers gave 2.1-3.0x torch's
+#: throughput at 1.3x its peak memory; 4 gave 2.6-2.8x at 1.4-1.5x; 2 gave 2.1x at 1.3x.
+POOL_SLOTS = 3
 
 
 class _WorkerEnd:
@@ -486,6 +487,10 @@ def loads_result(data: bytes) -> Any:
     Raises ``OSError`` if a shared-memory tensor's descriptor cannot be received (``EMFILE`` at
     the descriptor limit).
     """
+    # Buffers dropped since the last result go back to their workers now, whichever worker
+    # this result is from: a worker's next batch finds a free buffer sooner.
+    for channel in list(_channels.values()):
+        channel.release_dropped()
     outer = _receiving.fds
     _receiving.fds, _receiving.storages = {}, {}
     try:
