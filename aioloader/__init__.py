@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._bridge import SyncDataLoader
 from ._errors import (
     AioLoaderError,
     EpochEndedError,
@@ -22,6 +23,7 @@ __all__ = [
     "LoaderStats",
     "LoaderTimeoutError",
     "PoisonBatchError",
+    "SyncDataLoader",
     "WorkerCrashedError",
     "__version__",
 ]

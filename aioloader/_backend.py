@@ -19,11 +19,17 @@ batches on one thread of this process.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
+import random
+import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+import torch
 from torch.utils.data import _DatasetKind
 
 from . import _worker
@@ -95,14 +101,46 @@ class ThreadBackend:
         return self._ex.submit(self._fetch, send_idx, indices, epoch)
 
     def _fetch(self, send_idx: int, indices: Any, epoch: int) -> _worker.Result:
+        extra: _worker.Extra | None = None
+        if type(indices) is _worker.Extra:
+            extra, indices = indices, indices.indices
+        if extra is not None and extra.seed is not None:
+            # seeding="batch" in the main process: the batch sees its own seed, and the
+            # process's random state is given back afterwards (the training step uses it too).
+            with _rng_restored():
+                _worker.seed_all(extra.seed)
+                return self._load(send_idx, indices, epoch, extra)
+        return self._load(send_idx, indices, epoch, extra)
+
+    def _load(
+        self, send_idx: int, indices: Any, epoch: int, extra: _worker.Extra | None
+    ) -> _worker.Result:
         start = time.perf_counter()
         if self._epoch != epoch:
             self._epoch = epoch
-            self._fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
-                self._kind, self._dataset, self._auto_collation, self._collate_fn, self._drop_last
-            )
+            self._fetcher = None
+            if self._kind == _DatasetKind.Iterable:
+                self._fetcher = _worker.iterable_fetcher(
+                    self._dataset,
+                    self._auto_collation,
+                    self._collate_fn,
+                    self._drop_last,
+                    extra.resume if extra is not None else None,
+                )
+            else:
+                self._fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+                    self._kind,
+                    self._dataset,
+                    self._auto_collation,
+                    self._collate_fn,
+                    self._drop_last,
+                )
+        state: Any = None
         try:
             data: Any = Direct(self._fetcher.fetch(indices))
+            if self._kind == _DatasetKind.Iterable:
+                # A copy: the dataset goes on changing its own state after this batch.
+                state = copy.deepcopy(_worker.capture_state(self._fetcher, self._dataset))
         except StopAsyncIteration:
             # Raised to the consumer it would read as the end of the epoch: a silent truncation.
             raise RuntimeError(
@@ -124,7 +162,9 @@ class ThreadBackend:
                 "(num_workers=0): a Dataset or collate_fn must not raise it; it is re-raised "
                 "as RuntimeError so it cannot end the event loop"
             ) from exc
-        return _worker.Result(send_idx, epoch, 0, os.getpid(), data, time.perf_counter() - start)
+        return _worker.Result(
+            send_idx, epoch, 0, os.getpid(), data, time.perf_counter() - start, state
+        )
 
     def sentinels(self) -> list[int]:
         return []  # a thread cannot die the way a process does
@@ -144,3 +184,19 @@ class ThreadBackend:
         # A thread cannot be killed: queued batches are dropped and the thread exits once the
         # call it is in returns.
         self._ex.shutdown(wait=False, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _rng_restored() -> Iterator[None]:
+    """Give ``random``'s, torch's and numpy's global states back on exit."""
+    py = random.getstate()
+    pt = torch.get_rng_state()
+    np = sys.modules.get("numpy")
+    npst = np.random.get_state() if np is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        torch.set_rng_state(pt)
+        if np is not None and npst is not None:
+            np.random.set_state(npst)

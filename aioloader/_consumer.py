@@ -57,6 +57,10 @@ class Consumer:
         # Iterable datasets: torch's round-robin over workers that are not exhausted.
         self._active = [True] * workers
         self._next_worker = 0
+        progress = epoch.progress
+        if progress.resume_from is not None and progress.last_worker is not None:
+            # Resuming: the turn passes on from the worker whose batch was delivered last.
+            self._next_worker = (progress.last_worker + 1) % workers
         self._yielded = 0
         # The end or a fatal error was raised once: later calls see StopAsyncIteration.
         self._done = False
@@ -173,7 +177,10 @@ class Consumer:
             raise
         except StopAsyncIteration:
             self._done = True
-            if ep.end(Phase.FINISHED):
+            ended = ep.end(Phase.FINISHED)
+            if ep.phase is Phase.FINISHED:
+                ep.progress.finished = True  # state_dict() now points at the next epoch
+            if ended:
                 await ep.wait_cleanup()  # as torch: the workers are gone when the loop ends
             raise
         except AioLoaderError as exc:
@@ -221,9 +228,12 @@ class Consumer:
 
     async def _next_value(self) -> Any:
         """The next batch, decoded (and pinned/moved when the device stage is on)."""
+        ep = self._epoch
         if self._stage is None:
-            item = await self._epoch.reorder.get()
-            self._epoch.permits.release()
+            item = await ep.reorder.get()
+            ep.permits.release()
+            wid, state = _origin(item)
+            ep.progress.delivered(ep.reorder.last_idx, wid, state)
             return self._decode(item)
         ready = await self._ready.get()
         assert self._slots is not None
@@ -232,7 +242,11 @@ class Consumer:
             raise ready.exc
         if ready is _END:
             raise StopAsyncIteration
-        return ready
+        idx, wid, state, value = ready
+        ep.progress.delivered(idx, wid, state)
+        if isinstance(value, Failure):
+            raise value.exc
+        return value
 
     async def _feed(self, stage: DeviceStage) -> None:
         """Runs in: a task. reorder buffer -> decode -> device thread -> _ready, in order."""
@@ -252,13 +266,15 @@ class Consumer:
                 self._ready.put_nowait(Failure(exc))
                 return
             ep.permits.release()
+            idx = ep.reorder.last_idx
+            wid, state = _origin(item)
             try:
                 value = await stage.process(self._decode(item))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # this batch's error; the epoch goes on, as in torch
                 value = Failure(exc)
-            self._ready.put_nowait(value)
+            self._ready.put_nowait((idx, wid, state, value))
 
     def _decode(self, item: Any) -> Any:
         if isinstance(item, Failure):
@@ -294,6 +310,13 @@ class Consumer:
                     "for examples."
                 )
             warnings.warn(msg, UserWarning, stacklevel=4)
+
+
+def _origin(item: Any) -> tuple[int | None, Any]:
+    """The worker that loaded a reorder-buffer item and its dataset state after it, if known."""
+    if isinstance(item, _worker.Result):
+        return item.worker_id, item.state
+    return None, None
 
 
 def raise_remote(err: _worker.RemoteError) -> None:

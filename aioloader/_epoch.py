@@ -44,6 +44,7 @@ from ._errors import EpochEndedError
 from ._phase import TERMINAL, Phase
 from ._recovery import Recovery
 from ._reorder import ReorderBuffer
+from ._resume import Progress
 from ._scheduler import Flight, run_scheduler
 
 if TYPE_CHECKING:
@@ -65,14 +66,35 @@ _ALLOWED = {
 class Epoch:
     """One pass over the sampler; see the module docstring for the phases."""
 
-    def __init__(self, loader: AsyncDataLoader[Any], epoch_no: int, base_seed: int) -> None:
+    def __init__(
+        self,
+        loader: AsyncDataLoader[Any],
+        epoch_no: int,
+        base_seed: int,
+        progress: Progress,
+        *,
+        replay: bool = False,
+    ) -> None:
         self.loader = loader
         self.epoch_no = epoch_no
         self.base_seed = base_seed
         self.phase = Phase.CREATED
-        self.reorder: ReorderBuffer[Any] = ReorderBuffer(loader.in_order)
+        # What the consumer received, for state_dict(); a resumed epoch starts past it.
+        self.progress = progress
+        self.replay = replay
+        # Iterable datasets resuming: worker id -> dataset state to load before its first batch.
+        self.resume_states: dict[int, Any] = {}
+        start = progress.resume_from
+        self.reorder: ReorderBuffer[Any] = ReorderBuffer(
+            loader.in_order,
+            start=start.low if start is not None else 0,
+            done=start.above if start is not None else None,
+        )
         workers = loader.num_workers
-        self.max_in_flight = loader.prefetch_factor * workers if workers > 0 else 1
+        # prefetch_factor is None when num_workers was raised from 0 after construction: torch's
+        # default then applies.
+        prefetch = loader.prefetch_factor if loader.prefetch_factor is not None else 2
+        self.max_in_flight = prefetch * workers if workers > 0 else 1
         self.permits = asyncio.Semaphore(self.max_in_flight)
         # Set while submissions may go on (RUNNING); cleared during recovery.
         self.resumed = asyncio.Event()
@@ -335,7 +357,7 @@ class Epoch:
             return  # the recovery resubmits every entry once new workers are up
         gen = self.generation
         try:
-            fut = backend.submit(send_idx, flight.indices, self.epoch_no, flight.worker_id)
+            fut = backend.submit(send_idx, flight.task(), self.epoch_no, flight.worker_id)
         except BrokenProcessPool:
             self.recovery.on_crash(gen)
             return

@@ -13,61 +13,42 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import copy
 import enum
 import functools
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from multiprocessing.context import BaseContext
-from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, NoReturn, Self
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
+from typing_extensions import TypeVar
 
+from . import _resume as resume
 from . import _transport, _worker
+from ._attrs import TorchAttributes
 from ._backend import Backend, ThreadBackend
+from ._bridge import SyncDataLoader
 from ._device import DeviceStage
 from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
 from ._executor import WorkerPool
 from ._phase import Phase
+from ._resume import Position, Progress, Start
 
 __all__ = ("AsyncDataLoader", "LoaderStats")
 
-_T_co = TypeVar("_T_co", covariant=True)
-_B = TypeVar("_B")
-
-#: torch DataLoader attributes readable on AsyncDataLoader.
-_TORCH_ATTRS = frozenset(
-    {
-        "dataset",
-        "batch_size",
-        "sampler",
-        "batch_sampler",
-        "num_workers",
-        "collate_fn",
-        "pin_memory",
-        "drop_last",
-        "timeout",
-        "worker_init_fn",
-        "multiprocessing_context",
-        "generator",
-        "prefetch_factor",
-        "persistent_workers",
-        "pin_memory_device",
-        "in_order",
-    }
-)
-
-#: Attributes torch's DataLoader forbids setting after construction; so do we.
-_FROZEN_ATTRS = frozenset(
-    {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"}
-)
+#: The batch type: what ``collate_fn`` returns (``Any`` with torch's default collation).
+_B = TypeVar("_B", default=Any)
+_E = TypeVar("_E")
 
 
 class LoaderStats(NamedTuple):
@@ -99,7 +80,7 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class AsyncDataLoader(Generic[_T_co]):
+class AsyncDataLoader(TorchAttributes, Generic[_B]):
     """Loads batches like ``torch.utils.data.DataLoader``, as an async iterator.
 
     Every argument of torch's ``DataLoader`` is accepted with the same meaning, default and
@@ -120,6 +101,17 @@ class AsyncDataLoader(Generic[_T_co]):
             dies; the batches in flight are resubmitted, so no sample is lost or repeated.
             0 fails at the first crash, as torch does. An index batch that kills its worker twice
             raises :class:`~aioloader.PoisonBatchError` regardless.
+        seeding: ``"worker"`` (torch's): each worker seeds ``random``, torch and numpy once, with
+            ``base_seed + worker_id``, so random augmentations depend on which worker loaded a
+            batch. ``"batch"``: they are seeded before every batch from ``(base_seed, epoch,
+            send_idx)``, so the same ``generator`` gives bit-identical batches for any
+            ``num_workers`` and after a resume, and in-order loading may use one shared queue
+            (a slow batch no longer holds up the batches queued behind it on its worker).
+        rank: This process's place in data-parallel training, shown to workers as
+            ``get_worker_info().rank`` (for sharding an ``IterableDataset``). Give it with
+            ``world_size``. Default: ``torch.distributed``'s when it is initialised, else 0.
+        world_size: The number of data-parallel processes, shown to workers as
+            ``get_worker_info().world_size``. Default: ``torch.distributed``'s, else 1.
 
     Example::
 
@@ -131,13 +123,13 @@ class AsyncDataLoader(Generic[_T_co]):
 
     def __init__(
         self,
-        dataset: Dataset[_T_co],
+        dataset: Dataset[Any],
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
         num_workers: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate_fn: Callable[[list[Any]], _B] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
         timeout: float = 0,
@@ -153,6 +145,9 @@ class AsyncDataLoader(Generic[_T_co]):
         device_prefetch: int = 2,
         max_worker_restarts: int = 3,
         worker_nice: int = 5,
+        seeding: Literal["worker", "batch"] = "worker",
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         # torch's own constructor does the validation, picks the default samplers and collate_fn,
         # and starts nothing: workers start only when it is iterated, which we never do.
@@ -194,24 +189,45 @@ class AsyncDataLoader(Generic[_T_co]):
             None,
             "a positive int (batches kept ready on the device ahead of the consumer)",
         )
+        if seeding not in ("worker", "batch"):
+            raise ValueError(
+                f"seeding should be 'worker' (torch's: each worker seeded once) or 'batch' "
+                f"(seeded before every batch from the epoch and send_idx), got {seeding!r}"
+            )
+        if (rank is None) != (world_size is None):
+            raise ValueError("give both rank and world_size, or neither (then torch.distributed's)")
+        if world_size is not None:
+            _check_int("world_size", world_size, 1, None, "a positive int")
+            _check_int("rank", rank, 0, world_size - 1, f"an int in [0, world_size={world_size})")
         self.worker_nice = worker_nice
+        self.seeding = seeding
+        self._rank_given: tuple[int, int] | None = None
+        if rank is not None and world_size is not None:
+            self._rank_given = (rank, world_size)
         with warnings.catch_warnings():
             # Validates `device` now; torch's pin_memory warnings come per epoch, as in torch.
             warnings.simplefilter("ignore")
             DeviceStage(pin_memory=pin_memory, device=device, pin_memory_device=pin_memory_device)
         self.device = device
         self.device_prefetch = device_prefetch
-        object.__setattr__(self, "_torch", torch_loader)
+        self._torch = torch_loader
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
         # Which worker loads a batch decides its random augmentations (each worker's RNG is one
         # stream seeded base_seed + worker_id). In order, batches go to workers round-robin as in
         # torch, so a fixed generator reproduces torch's batches exactly. in_order=False gives up
         # that determinism anyway, so there all workers share one queue and a slow batch never
         # holds up the ones queued behind it on the same worker.
-        self._pinned_workers = self._is_iterable or in_order
+        # With seeding="batch" the worker does not matter, so in order needs no round-robin.
+        self._pinned_workers = self._is_iterable or (in_order and seeding == "worker")
         self.max_worker_restarts = max_worker_restarts
         self._state = _State.OPEN
-        self._epoch_no = 0
+        self._epoch_no = 0  # epochs started: tags work for crash attribution, never reset
+        # Resume: the epoch number the next epoch gets (load_state_dict sets it), the latest
+        # epoch's progress, a loaded state waiting for the next epoch, and set_epoch's value.
+        self._epoch_count = 0
+        self._progress: Progress | None = None
+        self._pending: _PendingResume | None = None
+        self._sampler_epoch: int | None = None
         # Running epochs; weak, so an epoch whose iterator was dropped can be collected (and so
         # release its workers) while the loader lives on.
         self._epochs: weakref.WeakSet[Epoch] = weakref.WeakSet()
@@ -222,7 +238,6 @@ class AsyncDataLoader(Generic[_T_co]):
         self._persistent_seed: int | None = None
         self._pool_lock: asyncio.Lock | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # epochs' cleanups; aclose() waits
-        self._initialized = True
         # stats
         self._batches = 0
         self._samples = 0
@@ -234,23 +249,8 @@ class AsyncDataLoader(Generic[_T_co]):
 
     # ---------------------------------------------------------------- torch-compatible attributes
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if getattr(self, "_initialized", False) and name in _TORCH_ATTRS:
-            if name in _FROZEN_ATTRS:
-                raise ValueError(
-                    f"{name} attribute should not be set after {type(self).__name__} is initialized"
-                )
-            # torch validates and converts (multiprocessing_context="spawn" -> a context).
-            setattr(self._torch, name, value)
-            return
-        super().__setattr__(name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        # dataset, batch_size, sampler, collate_fn, ...: read from the torch DataLoader that
-        # validated them, so they hold exactly what torch would (defaults filled in).
-        if name in _TORCH_ATTRS:
-            return getattr(self._torch, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def _torch_loader(self) -> DataLoader[Any]:
+        return self._torch
 
     @property
     def _index_sampler(self) -> Any:
@@ -270,20 +270,31 @@ class AsyncDataLoader(Generic[_T_co]):
     def __iter__(self) -> NoReturn:
         raise TypeError(
             f"{type(self).__name__!r} object is not iterable: it is an async iterable. Use "
-            "`async for batch in loader:` inside a coroutine (or top-level `await` in a notebook)"
+            "`async for batch in loader:` inside a coroutine (or top-level `await` in a "
+            "notebook), or `for batch in loader.sync():` in synchronous code"
         )
+
+    def sync(self) -> SyncDataLoader[_B]:
+        """This loader for synchronous code: ``for batch in loader.sync():``.
+
+        The loader runs on an event loop in one background thread, with the same batches, order
+        and errors. Closing the returned :class:`~aioloader.SyncDataLoader` (``with`` or
+        ``close()``) closes this loader and ends that thread. Every call returns the same object;
+        once bridged, iterate the loader only through it.
+        """
+        return SyncDataLoader._of(self)
 
     # -------------------------------------------------------------------------------- lifecycle
 
-    async def __aenter__(self) -> AsyncDataLoader[_T_co]:
-        if self._state is _State.CLOSED:
-            raise _closed_error()
+    async def __aenter__(self) -> Self:
+        _require_asyncio()
+        self._check_open()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def __aiter__(self) -> _EpochIterator[Any]:
+    def __aiter__(self) -> _EpochIterator[_B]:
         """Start an epoch.
 
         Without persistent workers each epoch has its own workers, so epochs may overlap (a
@@ -291,8 +302,8 @@ class AsyncDataLoader(Generic[_T_co]):
         are shared: a new epoch ends the one still running, whose consumer then gets
         :class:`~aioloader.EpochEndedError`.
         """
-        if self._state is _State.CLOSED:
-            raise _closed_error()
+        self._check_open()
+        _require_asyncio()
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             # This process is a spawn/forkserver worker still importing the main module: the
             # script iterates a loader at import time. Say so in one line here, before the start
@@ -327,19 +338,212 @@ class AsyncDataLoader(Generic[_T_co]):
                         "workers) or a second loader for nested loops."
                     ),
                 )
-        if persistent and self._persistent_seed is not None:
+        pending, self._pending = self._pending, None
+        progress = self._begin_progress(pending)
+        start = progress.start
+        if pending is not None and start.base_seed is not None:
+            # Resuming: the interrupted epoch's seed. If it was drawn from `generator`, draw again
+            # (and discard) so the generator, restored to the epoch's start, advances as it did.
+            if start.seed_drawn and self.generator is not None:
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            base_seed = start.base_seed
+            if persistent:
+                self._persistent_seed = base_seed
+        elif persistent and self._persistent_seed is not None:
             base_seed = self._persistent_seed  # torch draws it once for persistent workers
+            start.seed_drawn = False
         else:
             # As torch: the workers' base seed is drawn from `generator` before the sampler draws.
             base_seed = int(
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
             )
+            start.seed_drawn = True
             if persistent:
                 self._persistent_seed = base_seed
-        epoch = Epoch(self, self._epoch_no, base_seed)
+        start.base_seed = base_seed
+        if start.global_rng is None:
+            # What the sampler will draw from if it uses the global RNG (a custom sampler records
+            # it again, just before its iter()).
+            start.record_global_rng(torch.get_rng_state())
+        epoch = Epoch(self, self._epoch_no, base_seed, progress, replay=pending is not None)
+        if pending is not None and self._is_iterable:
+            epoch.resume_states = dict(progress.worker_states)
         self._epoch_no += 1
         self._epochs.add(epoch)
         return _EpochIterator(epoch)
+
+    def _check_open(self) -> None:
+        if self._state is _State.CLOSED:
+            raise _closed_error()
+
+    def _is_closed(self) -> bool:
+        return self._state is _State.CLOSED
+
+    # ----------------------------------------------------------------------------------- resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the consumer stands: load it into a new loader to go on from exactly here.
+
+        Describes the batches the consumer has *received* (batches in flight or buffered are not
+        counted: they are loaded again after a resume). Callable at any time: before the first
+        epoch, between batches, after an epoch ended, right after :meth:`load_state_dict` (then
+        it returns the loaded state). A plain dict, JSON-serialisable when the sampler's and the
+        dataset's own states are; O(1) per batch to keep, and cheap to take.
+
+        Raises:
+            ValueError: an ``IterableDataset`` delivered batches this epoch but neither it nor
+                its iterator has ``state_dict()``/``load_state_dict()``, so its position cannot
+                be saved.
+        """
+        if self._pending is not None:
+            return self._pending.to_dict()
+        p = self._progress
+        if p is None or p.finished:
+            return self._boundary_state(0 if p is None else p.epoch + 1)
+        if p.iterable and p.stateless:
+            raise ValueError(
+                f"cannot save the position of {type(self.dataset).__name__}: an IterableDataset "
+                "is resumed from its own state, so implement state_dict() and load_state_dict() "
+                "on the dataset (or on the iterator its __iter__ returns), returning where it "
+                "stands; aioloader saves it per worker after each delivered batch"
+            )
+        return self._make_state(p.epoch, p.start, p.position, p.worker_states, p.last_worker)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``async for`` continue where ``state`` (from :meth:`state_dict`) stood.
+
+        The batches delivered next are those the interrupted run would have delivered next:
+        same indices, same order, none skipped or repeated; a state taken after an epoch ended
+        starts the next epoch. Restores the ``generator``'s (and the sampler's) random state and
+        the sampler's ``set_epoch``. Works across a change of ``num_workers`` for map-style
+        datasets; an ``IterableDataset`` needs the same ``num_workers``.
+
+        Raises:
+            RuntimeError: an epoch of this loader is running (or was started with ``aiter()``
+                and not finished): load before the next ``async for``.
+            ValueError: ``state`` is not a state of this kind of loader.
+        """
+        if self._state is _State.CLOSED:
+            raise _closed_error()
+        running = [e for e in list(self._epochs) if not e.terminal]
+        if running:
+            raise RuntimeError(
+                f"load_state_dict() was called while epoch {running[0].epoch_no} of this loader "
+                "is running (an `async for`, or an aiter() not yet exhausted); call it before the "
+                "next `async for`, or break out of the running one first"
+            )
+        self._pending = _PendingResume.parse(state, self)
+        if self._pending.persistent_seed is not None:
+            self._persistent_seed = self._pending.persistent_seed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call ``set_epoch(epoch)`` on the sampler and batch sampler that have it (e.g.
+        ``DistributedSampler``, to reshuffle each epoch). Part of :meth:`state_dict`."""
+        _check_int("epoch", epoch, 0, None, "a non-negative int")
+        for obj in self._epoch_aware():
+            obj.set_epoch(epoch)
+        self._sampler_epoch = epoch
+
+    def _epoch_aware(self) -> list[Any]:
+        found: list[Any] = []
+        for obj in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            if callable(getattr(obj, "set_epoch", None)) and all(obj is not f for f in found):
+                found.append(obj)
+        return found
+
+    def _read_sampler_epoch(self) -> int | None:
+        for obj in self._epoch_aware():
+            value = getattr(obj, "epoch", None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return self._sampler_epoch
+
+    def _stateful_sampler(self) -> Any:
+        for obj in (self.batch_sampler, self.sampler):
+            if callable(getattr(obj, "state_dict", None)) and callable(
+                getattr(obj, "load_state_dict", None)
+            ):
+                return obj
+        return None
+
+    def _generators(self) -> dict[str, torch.Generator]:
+        """The generators an epoch draws from, by role: the loader's, the sampler's own."""
+        gens: dict[str, torch.Generator] = {}
+        if isinstance(self.generator, torch.Generator):
+            gens["loader"] = self.generator
+        sampler = self._index_sampler
+        inner = getattr(sampler, "sampler", None) if isinstance(sampler, BatchSampler) else sampler
+        g = getattr(inner, "generator", None)
+        if isinstance(g, torch.Generator) and g is not self.generator:
+            gens["sampler"] = g
+        return gens
+
+    def _snapshot(self) -> Start:
+        """The start of an epoch that has not drawn anything yet: the current states."""
+        sampler = self._stateful_sampler()
+        return Start(
+            generators={role: g.get_state() for role, g in self._generators().items()},
+            sampler_state=copy.deepcopy(sampler.state_dict()) if sampler is not None else None,
+            sampler_epoch=self._read_sampler_epoch(),
+        )
+
+    def _begin_progress(self, pending: _PendingResume | None) -> Progress:
+        if pending is None:
+            progress = Progress(self._epoch_count, self._snapshot(), iterable=self._is_iterable)
+        else:
+            start = pending.start
+            for role, g in self._generators().items():
+                state = start.generator_state(role)
+                if state is not None:
+                    g.set_state(state)
+            sampler = self._stateful_sampler()
+            if sampler is not None and start.sampler_state is not None:
+                sampler.load_state_dict(copy.deepcopy(start.sampler_state))
+            if start.sampler_epoch is not None:
+                for obj in self._epoch_aware():
+                    obj.set_epoch(start.sampler_epoch)
+                self._sampler_epoch = start.sampler_epoch
+            progress = Progress(
+                pending.epoch,
+                start,
+                Position(
+                    pending.position.low, pending.position.above, counting=self._is_iterable
+                ),
+                worker_states=pending.worker_states,
+                last_worker=pending.last_worker,
+                iterable=self._is_iterable,
+            )
+            progress.resume_from = pending.position
+        self._epoch_count = progress.epoch + 1
+        self._progress = progress
+        return progress
+
+    def _boundary_state(self, epoch: int) -> dict[str, Any]:
+        return self._make_state(epoch, self._snapshot(), Position(), {}, None)
+
+    def _make_state(
+        self,
+        epoch: int,
+        start: Start,
+        position: Position,
+        worker_states: dict[int, Any],
+        last_worker: int | None,
+    ) -> dict[str, Any]:
+        return {
+            "format": resume.FORMAT,
+            "version": resume.VERSION,
+            "epoch": epoch,
+            "delivered_below": position.low,
+            "delivered_also": sorted(position.above),
+            "batches_delivered": position.count,
+            "dataset_kind": "iterable" if self._is_iterable else "map",
+            "num_workers": self.num_workers,
+            "seeding": self.seeding,
+            "persistent_seed": self._persistent_seed if self._persistent else None,
+            "start": start.to_dict(),
+            "worker_states": {str(k): copy.deepcopy(v) for k, v in worker_states.items()},
+            "last_worker": last_worker,
+        }
 
     @property
     def _persistent(self) -> bool:
@@ -417,6 +621,7 @@ class AsyncDataLoader(Generic[_T_co]):
 
     def _make_spec(self, base_seed: int) -> _worker.WorkerSpec:
         """Runs in: a helper thread (pickling a large dataset takes a while)."""
+        rank, world_size = self._rank_given or _distributed_rank()
         ctx = self._mp_context()
         objects = (self.dataset, self.collate_fn, self.worker_init_fn)
         payload = None
@@ -436,6 +641,8 @@ class AsyncDataLoader(Generic[_T_co]):
             payload_file=payload,
             objects=objects_or_none,
             fixed_worker_id=None,
+            rank=rank,
+            world_size=world_size,
         )
 
     async def _new_pool(self, base_seed: int) -> WorkerPool:
@@ -510,16 +717,16 @@ class AsyncDataLoader(Generic[_T_co]):
         )
 
 
-class _EpochIterator(Generic[_B]):
+class _EpochIterator(Generic[_E]):
     """What ``async for`` holds. Dropping it (``break``) ends the epoch and frees its workers."""
 
     def __init__(self, epoch: Epoch) -> None:
         self._epoch = epoch
 
-    def __aiter__(self) -> _EpochIterator[_B]:
+    def __aiter__(self) -> _EpochIterator[_E]:
         return self
 
-    def __anext__(self) -> Coroutine[Any, Any, _B]:
+    def __anext__(self) -> Coroutine[Any, Any, _E]:
         return _next(self, self._epoch.consumer.next())
 
     async def aclose(self) -> None:
@@ -548,6 +755,26 @@ async def _next(iterator: _EpochIterator[Any], step: Coroutine[Any, Any, Any]) -
         del iterator
 
 
+def _require_asyncio() -> None:
+    """Raise a clear error unless an asyncio event loop runs in this thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return
+    trio: Any = sys.modules.get("trio")
+    in_trio = trio is not None and trio.lowlevel.in_trio_run()
+    library = "trio (through anyio's trio backend, or trio itself)" if in_trio else "none"
+    raise RuntimeError(
+        f"aioloader needs an asyncio event loop (asyncio.run, uvloop, anyio's asyncio backend or "
+        f"a notebook's top-level await); event loop running here: {library}. Iterate the loader "
+        "with `async for` in a coroutine that asyncio runs (under anyio: "
+        "anyio.run(main, backend='asyncio')), or use `for batch in loader.sync():` in "
+        "synchronous code"
+    )
+
+
 def _closed_error() -> LoaderClosedError:
     return LoaderClosedError(
         "this loader was closed; create a new AsyncDataLoader to iterate again"
@@ -559,3 +786,86 @@ def _check_int(name: str, value: object, lo: int, hi: int | None, what: str) -> 
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
     if not ok or (hi is not None and value > hi):  # type: ignore[operator]
         raise ValueError(f"{name} should be {what}, got {value!r}")
+
+
+def _distributed_rank() -> tuple[int, int]:
+    """``torch.distributed``'s rank and world size when it is initialised, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _PendingResume(NamedTuple):
+    """A loaded state, checked, waiting for the next epoch."""
+
+    epoch: int
+    start: Start
+    position: Position
+    worker_states: dict[int, Any]
+    last_worker: int | None
+    persistent_seed: int | None
+    raw: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.raw)
+
+    @classmethod
+    def parse(cls, state: object, loader: AsyncDataLoader[Any]) -> _PendingResume:
+        def bad(what: str) -> ValueError:
+            return ValueError(
+                f"load_state_dict() got {what}; pass a dict returned by "
+                "AsyncDataLoader.state_dict()"
+            )
+
+        if not isinstance(state, dict):
+            raise bad(f"a {type(state).__name__}")
+        if state.get("format") != resume.FORMAT:
+            raise bad(f"a dict without format={resume.FORMAT!r}")
+        version = state.get("version")
+        if not isinstance(version, int) or version > resume.VERSION:
+            raise ValueError(
+                f"load_state_dict() got a state of version {version!r}; this aioloader reads "
+                f"versions up to {resume.VERSION}: upgrade aioloader to load it"
+            )
+        try:
+            kind = state["dataset_kind"]
+            epoch = int(state["epoch"])
+            low = int(state["delivered_below"])
+            above = {int(i) for i in state["delivered_also"]}
+            start = Start.from_dict(state["start"])
+            worker_states = {int(k): v for k, v in (state.get("worker_states") or {}).items()}
+            last = state.get("last_worker")
+            last_worker = None if last is None else int(last)
+            persistent_seed = state.get("persistent_seed")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad(f"a malformed state ({type(exc).__name__}: {exc})") from None
+        mine = "iterable" if loader._is_iterable else "map"
+        if kind != mine:
+            raise ValueError(
+                f"load_state_dict() got the state of a loader over a {kind}-style dataset, but "
+                f"this loader's dataset is {mine}-style; load it into a loader like the one that "
+                "saved it"
+            )
+        if loader._is_iterable:
+            saved = state.get("num_workers")
+            if saved != loader.num_workers and (worker_states or low or above):
+                raise ValueError(
+                    f"this IterableDataset state was saved with num_workers={saved} and cannot be "
+                    f"resumed with num_workers={loader.num_workers}: each worker's replica of the "
+                    "dataset is resumed from its own saved state, so use the same num_workers "
+                    "(map-style datasets resume with any num_workers)"
+                )
+            # An iterable's send_idx only orders batches: go on counting from what was received.
+            low, above = low + len(above), set()
+        if persistent_seed is not None and not loader._persistent:
+            persistent_seed = None
+        return cls(
+            epoch,
+            start,
+            Position(low, above),
+            worker_states,
+            last_worker,
+            persistent_seed,
+            copy.deepcopy(state),
+        )

@@ -26,20 +26,24 @@ class ReorderBuffer(Generic[_T]):
     index that arrives twice is a bug and raises ``RuntimeError`` at once.
     """
 
-    def __init__(self, in_order: bool) -> None:
+    def __init__(self, in_order: bool, *, start: int = 0, done: set[int] | None = None) -> None:
+        """``start``/``done``: a resumed epoch, whose indices below ``start`` and in ``done`` were
+        delivered before; they count as released and are never waited for."""
         self._in_order = in_order
         self._pq: asyncio.PriorityQueue[tuple[int, _T]] = asyncio.PriorityQueue()
         self._arrived = asyncio.Event()
         # Every index below _low was released or skipped; _pending holds those that arrived and
         # were not released yet; _ahead (out of order only) those released while a smaller one
         # is still outstanding. All three stay within the in-flight window.
-        self._low = 0
+        self._low = start
         self._pending: set[int] = set()
-        self._ahead: set[int] = set()
+        self._ahead: set[int] = set(done or ())
         self._skipped: set[int] = set()  # in order: skipped indices not yet passed
-        self._released = 0  # items released + indices skipped
+        self._released = start + len(self._ahead)  # items released + indices skipped
         self._end: int | None = None
         self._failure: BaseException | None = None
+        #: The ``send_idx`` of the item :meth:`get` returned last.
+        self.last_idx = -1
 
     def __len__(self) -> int:
         """Items buffered and not yet released."""
@@ -119,6 +123,7 @@ class ReorderBuffer(Generic[_T]):
             self._pq.put_nowait((idx, item))  # the head is still missing
             return False, None
         self._retire(idx)
+        self.last_idx = idx
         return True, item
 
     async def get(self) -> _T:

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
+from ._resume import Start
 from ._threads import run_off_loop
 
 __all__ = ("IndexStream", "is_empty_batch")
@@ -74,13 +75,25 @@ class _Draw(NamedTuple):
     limit: int | None  # yield only the first `limit` indices (RandomSampler's last permutation)
 
 
-def _random_draws(sampler: RandomSampler) -> Iterator[_Draw]:
+def _random_draws(sampler: RandomSampler, start: Start | None, replay: bool) -> Iterator[_Draw]:
     # RandomSampler.__iter__ (torch/utils/data/sampler.py), step for step: the seed, len() and
     # num_samples are read, and each block drawn, at the point where its own generator would, so
     # the global RNG and `generator` see the same draws in the same order.
     n = len(sampler.data_source)
     if sampler.generator is None:
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        if replay and start is not None and start.sampler_seed is not None:
+            seed = start.sampler_seed  # resuming: the seed the interrupted epoch drew
+        elif replay and start is not None and start.global_rng is not None:
+            # Resuming an epoch stopped before its sampler drew: draw as it would have, from the
+            # global RNG as it stood when the epoch started.
+            rng = torch.Generator()
+            rng.set_state(start.rng_tensor())
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
+            start.sampler_seed = seed
+        else:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            if start is not None:
+                start.sampler_seed = seed
         generator = torch.Generator()
         generator.manual_seed(seed)
     else:
@@ -110,10 +123,12 @@ def _sequential_draws(sampler: SequentialSampler) -> Iterator[_Draw]:
     yield _Draw(lambda: indices, False, None)
 
 
-def _stock_draws(sampler: object) -> Callable[[], Iterator[_Draw]] | None:
+def _stock_draws(
+    sampler: object, start: Start | None, replay: bool
+) -> Callable[[], Iterator[_Draw]] | None:
     # Exact types only: a subclass may override __iter__ (or what it reads) in any way.
     if type(sampler) is RandomSampler:
-        return functools.partial(_random_draws, sampler)
+        return functools.partial(_random_draws, sampler, start, replay)
     if type(sampler) is SequentialSampler:
         return functools.partial(_sequential_draws, sampler)
     return None
@@ -160,6 +175,23 @@ class _StockIndices:
         out = self._ints[self._i : self._i + k]
         self._i += len(out)
         return out
+
+    async def skip(self, n: int) -> None:
+        """Pass over the next ``n`` indices without converting them (a resume's fast-forward)."""
+        taken = min(n, len(self._ints) - self._i)
+        self._i += taken
+        n -= taken
+        blocks = 0
+        while n > 0 and not self._exhausted:
+            if self._pos >= self._end:
+                await self._next_block()
+                blocks += 1
+                if blocks % 256 == 0:  # many small blocks (sampling with replacement)
+                    await asyncio.sleep(0)
+                continue
+            step = min(n, self._end - self._pos)
+            self._pos += step
+            n -= step
 
     async def _fill(self) -> None:
         """Convert the next piece of the current block, drawing the next block first if needed."""
@@ -221,21 +253,38 @@ class IndexStream:
     ``index_sampler`` is the loader's ``_index_sampler``; ``batch_sampler`` is
     ``loader.batch_sampler is not None`` (then every item is a batch and must not be empty).
     A sampler's own exception propagates unchanged from :meth:`next`.
+
+    ``start`` records the epoch's random draws for a resume (the seed a stock ``RandomSampler``
+    drew, the global RNG a custom sampler started from); with ``replay`` those recorded draws are
+    used instead of new ones, and the first ``skip`` items are passed over without being
+    converted (stock samplers) or on the helper thread (any other).
     """
 
-    def __init__(self, index_sampler: Any, *, batch_sampler: bool) -> None:
+    def __init__(
+        self,
+        index_sampler: Any,
+        *,
+        batch_sampler: bool,
+        start: Start | None = None,
+        replay: bool = False,
+        skip: int = 0,
+    ) -> None:
         self._sampler = index_sampler
         self._check_empty = batch_sampler
         self._sent = 0  # items handed out: the send position of the next one
         self._done = False
         self._batch: BatchSampler | None = None
+        self._start = start
+        self._replay = replay
+        self._skip = skip
+        self._started = False
         draws = None
         if type(index_sampler) is BatchSampler:
-            draws = _stock_draws(index_sampler.sampler)
+            draws = _stock_draws(index_sampler.sampler, start, replay)
             if draws is not None:
                 self._batch = index_sampler
         else:
-            draws = _stock_draws(index_sampler)
+            draws = _stock_draws(index_sampler, start, replay)
         self._stock = _StockIndices(draws) if draws is not None else None
         self._batch_size = 1  # a BatchSampler's is read when the first batch is asked for
         self._drop_last = False
@@ -254,7 +303,7 @@ class IndexStream:
         if self._done:
             raise StopAsyncIteration
         stock = self._stock
-        if stock is not None and self._sent:
+        if stock is not None and self._started:
             # Most pulls of a stock sampler: already converted, no await (and never empty).
             got = stock.take_buffered(self._batch_size)
             if got is not None:
@@ -283,13 +332,19 @@ class IndexStream:
         return indices
 
     async def _next_stock(self, stock: _StockIndices) -> Any:
+        if not self._started:
+            if self._batch is not None:  # BatchSampler.__iter__ reads these when it starts
+                self._batch_size, self._drop_last = self._batch.batch_size, self._batch.drop_last
+            if self._skip:
+                # Resuming: every skipped item was delivered, so it was complete.
+                await stock.skip(self._skip * (self._batch_size if self._batch else 1))
+                self._sent = self._skip
+            self._started = True
         if self._batch is None:
             one = await stock.take(1)
             if not one:
                 raise StopAsyncIteration
             return one[0]
-        if self._sent == 0:  # BatchSampler.__iter__ reads these when it starts
-            self._batch_size, self._drop_last = self._batch.batch_size, self._batch.drop_last
         batch = await stock.take(self._batch_size)
         if not batch or (self._drop_last and len(batch) < self._batch_size):
             raise StopAsyncIteration
@@ -307,7 +362,10 @@ class IndexStream:
             )
         else:
             first, self._first = self._first, None
+        self._started = True
         it, (ok, value) = first
+        if self._skip and self._sent == 0:
+            self._sent = self._skip
         if it is None:  # iter() itself failed: there is nothing to pull from
             self._done = True
         else:
@@ -319,17 +377,37 @@ class IndexStream:
         return value
 
     def _first_pull(self) -> tuple[Iterator[Any] | None, _Outcome]:
-        """Runs in: a short-lived thread. ``iter()`` and the first ``next()``, caught."""
+        """Runs in: a short-lived thread. ``iter()``, the skipped items and the next, caught.
+
+        The global torch RNG is what a custom sampler may draw from when it starts: recorded
+        before ``iter()``, or, when replaying, set to the recorded state for ``iter()``, the
+        skipped items and the next one, then given back (the process's own draws go on from
+        where they were; a sampler that draws lazily later in the epoch draws from those).
+        """
+        start = self._start
+        saved: torch.Tensor | None = None
+        if start is not None:
+            if self._replay and start.global_rng is not None:
+                saved = torch.get_rng_state()
+                torch.set_rng_state(start.rng_tensor())
+            else:
+                start.record_global_rng(torch.get_rng_state())
         try:
-            it = iter(self._sampler)
-        except BaseException as exc:
-            return None, (False, exc)
-        try:
-            return it, (True, next(it))
-        except StopIteration:
-            return it, (True, _END)
-        except BaseException as exc:
-            return it, (False, exc)
+            try:
+                it = iter(self._sampler)
+            except BaseException as exc:
+                return None, (False, exc)
+            try:
+                for _ in range(self._skip):
+                    next(it)
+                return it, (True, next(it))
+            except StopIteration:
+                return it, (True, _END)
+            except BaseException as exc:
+                return it, (False, exc)
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved)
 
     def _keep_first(self, first: tuple[Iterator[Any] | None, _Outcome]) -> None:
         self._first = first

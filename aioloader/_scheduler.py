@@ -17,7 +17,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._consumer import Failure
+from ._resume import batch_seed
 from ._sampling import IndexStream
+from ._worker import Extra
 
 if TYPE_CHECKING:
     from ._epoch import Epoch
@@ -31,25 +33,45 @@ class Flight(NamedTuple):
     indices: Any
     worker_id: int | None
     future: Future[Any] | None
+    #: ``seeding="batch"``: the batch's seed, sent with it (again on a resubmission).
+    seed: int | None = None
+    #: An iterable worker's first batch of a resumed epoch: the dataset state to load first.
+    resume: Any = None
+
+    def task(self) -> Any:
+        """What the backend is given as the indices."""
+        if self.seed is None and self.resume is None:
+            return self.indices
+        return Extra(self.indices, self.seed, self.resume)
 
 
 async def run_scheduler(epoch: Epoch) -> None:
-    """Submit every index batch of the epoch, then close the reorder buffer at the end."""
+    """Submit every index batch of the epoch, then close the reorder buffer at the end.
+
+    A resumed epoch starts at the first ``send_idx`` its consumer did not receive and passes
+    over the index batches delivered before, without loading them.
+    """
     loader = epoch.loader
-    stream = IndexStream(loader._index_sampler, batch_sampler=loader.batch_sampler is not None)
-    send_idx = 0
+    progress = epoch.progress
+    resume = progress.resume_from
+    skip = resume.low if resume is not None else 0
+    above = resume.above if resume is not None else set()
+    stream = IndexStream(
+        loader._index_sampler,
+        batch_sampler=loader.batch_sampler is not None,
+        start=progress.start,
+        replay=epoch.replay,
+        skip=skip,
+    )
+    batch_seeding = loader.seeding == "batch"
+    pending = epoch.resume_states  # worker id -> dataset state, until its first batch
+    send_idx = skip
     try:
         while True:
             await epoch.permits.acquire()
             await epoch.resumed.wait()
             if epoch.terminal:
                 return
-            wid: int | None = None
-            if loader._pinned_workers:
-                wid = epoch.consumer.pick_worker()
-                if wid is None:  # every iterable worker is exhausted
-                    epoch.permits.release()
-                    break
             try:
                 indices = await stream.next()
             except StopAsyncIteration:
@@ -63,12 +85,24 @@ async def run_scheduler(epoch: Epoch) -> None:
                 epoch.reorder.put(send_idx, Failure(exc))
                 send_idx += 1
                 break
+            if send_idx in above:  # delivered before the resume (in_order=False)
+                send_idx += 1
+                epoch.permits.release()
+                continue
+            wid: int | None = None
+            if loader._pinned_workers:
+                wid = epoch.consumer.pick_worker()
+                if wid is None:  # every iterable worker is exhausted
+                    epoch.permits.release()
+                    break
             # Pulling the indices may have yielded to the loop: a crash meanwhile pauses us here,
             # so nothing is submitted to workers already known to be dead.
             await epoch.resumed.wait()
             if epoch.terminal:
                 return
-            epoch.in_flight[send_idx] = Flight(indices, wid, None)
+            seed = batch_seed(epoch.base_seed, progress.epoch, send_idx) if batch_seeding else None
+            state = pending.pop(wid, None) if pending and wid is not None else None
+            epoch.in_flight[send_idx] = Flight(indices, wid, None, seed, state)
             epoch.submit(send_idx)
             send_idx += 1
         epoch.reorder.close(send_idx)

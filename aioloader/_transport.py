@@ -589,7 +589,7 @@ def dump_payload(obj: object) -> tuple[PayloadFile, list[torch.Tensor]]:
             picklers: list[type[pickle.Pickler]] = []
             if _main_is_importable():
                 picklers.append(pickle.Pickler)
-            import cloudpickle
+            import cloudpickle  # type: ignore[import-untyped, unused-ignore]
 
             picklers.append(cloudpickle.Pickler)
             for base in picklers:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import pickle
 import random
@@ -37,7 +38,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from . import _transport
 
-__all__ = ("Exhausted", "RemoteError", "Result", "WorkerSpec", "fetch", "init")
+__all__ = ("Exhausted", "Extra", "RemoteError", "Result", "WorkerSpec", "fetch", "init")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class WorkerSpec:
     objects: tuple[Any, Any, Any] | None
     #: iterable datasets get one single-worker pool per worker id; map-style workers draw an id.
     fixed_worker_id: int | None
+    #: This process's rank and world size in data-parallel training (``get_worker_info()``).
+    rank: int = 0
+    world_size: int = 1
 
 
 class Exhausted(NamedTuple):
@@ -120,6 +124,80 @@ class Result(NamedTuple):
     #: bytes | RemoteError | Exhausted from a worker; the main process swaps in the decoded batch.
     data: object
     busy_s: float
+    #: Iterable datasets with ``state_dict``: ``(target, state)`` right after this batch.
+    state: Any = None
+
+
+class Extra(NamedTuple):
+    """What a task carries besides its indices, when it carries anything (the rare case).
+
+    Sent in place of the indices so every backend's ``submit`` keeps one signature.
+    """
+
+    indices: Any
+    #: ``seeding="batch"``: seed ``random``, ``torch`` and numpy with this before the batch.
+    seed: int | None = None
+    #: Iterable datasets resuming: ``(target, state)`` to load before this worker's first batch.
+    resume: Any = None
+
+
+def seed_all(seed: int) -> None:
+    """Seed ``random``, torch and numpy (if importable) from one 64-bit ``seed``."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np = sys.modules.get("numpy")  # only if the dataset uses it: importing numpy costs ~50 ms
+    if np is not None:
+        np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+
+
+def capture_state(fetcher: Any, dataset: Any) -> Any:
+    """An iterable dataset's resumable state: its iterator's ``state_dict()``, else its own."""
+    it = getattr(fetcher, "dataset_iter", None)
+    if callable(getattr(it, "state_dict", None)):
+        return ("iterator", it.state_dict())  # type: ignore[union-attr]
+    if callable(getattr(dataset, "state_dict", None)):
+        return ("dataset", dataset.state_dict())
+    return None
+
+
+def iterable_fetcher(
+    dataset: Any, auto_collation: bool, collate_fn: Any, drop_last: bool, resume: Any
+) -> Any:
+    """torch's iterable fetcher, after loading ``resume`` (a :func:`capture_state` value)."""
+    if resume is not None and resume[0] == "dataset":
+        dataset.load_state_dict(resume[1])  # before iter(): the new iterator starts from it
+    fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+        _DatasetKind.Iterable, dataset, auto_collation, collate_fn, drop_last
+    )
+    if resume is not None and resume[0] == "iterator":
+        fetcher.dataset_iter.load_state_dict(resume[1])
+    return fetcher
+
+
+if dataclasses.is_dataclass(torch_worker.WorkerInfo):
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class WorkerInfo(torch_worker.WorkerInfo):
+        """torch's ``WorkerInfo`` plus this process's data-parallel ``rank`` and ``world_size``."""
+
+        rank: int = 0
+        world_size: int = 1
+
+    def make_worker_info(**fields: Any) -> Any:
+        return WorkerInfo(**fields)
+
+    def _with_seed(info: Any, seed: int) -> Any:
+        return dataclasses.replace(info, seed=seed)
+
+else:  # torch before 2.10: a plain class that takes any keyword
+
+    def make_worker_info(**fields: Any) -> Any:
+        return torch_worker.WorkerInfo(**fields)
+
+    def _with_seed(info: Any, seed: int) -> Any:
+        fields = {k: v for k, v in vars(info).items() if not k.startswith("_")}
+        fields["seed"] = seed
+        return torch_worker.WorkerInfo(**fields)
 
 
 class _State:
@@ -259,8 +337,13 @@ def init(
             pass
         else:
             np.random.seed(torch_worker._generate_state(spec.base_seed, worker_id))  # type: ignore[no-untyped-call]
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
+        torch_worker._worker_info = make_worker_info(
+            id=worker_id,
+            num_workers=spec.num_workers,
+            seed=seed,
+            dataset=dataset,
+            rank=spec.rank,
+            world_size=spec.world_size,
         )
         _state.dataset = dataset
         if collate_fn is torch_collate.default_collate:
@@ -284,6 +367,16 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
         return Result(send_idx, epoch, wid, os.getpid(), _state.init_error, 0.0)
     spec = _state.spec
     assert spec is not None
+    extra: Extra | None = None
+    if type(indices) is Extra:
+        extra, indices = indices, indices.indices
+        if extra.seed is not None:
+            seed_all(extra.seed)
+            # torch.initial_seed() == get_worker_info().seed holds in this mode too.
+            info = torch_worker._worker_info
+            if info is not None:
+                torch_worker._worker_info = _with_seed(info, extra.seed)
+    state: Any = None
     where = f"in DataLoader worker process {wid} while loading batch send_idx={send_idx}"
     slots = _state.slots
     if slots is not None:
@@ -296,12 +389,12 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
                 # A new epoch: a fresh iterator over this worker's replica, as torch does.
                 _state.epoch = epoch
                 _state.fetcher = None
-                _state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
-                    _DatasetKind.Iterable,
+                _state.fetcher = iterable_fetcher(
                     _state.dataset,
                     spec.auto_collation,
                     _state.collate_fn,
                     spec.drop_last,
+                    extra.resume if extra is not None else None,
                 )
             try:
                 batch = _state.fetcher.fetch(indices)
@@ -309,6 +402,7 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
                 return Result(
                     send_idx, epoch, wid, os.getpid(), Exhausted(wid), time.perf_counter() - start
                 )
+            state = capture_state(_state.fetcher, _state.dataset)
         else:
             batch = _state.fetcher.fetch(indices)
         try:
@@ -324,8 +418,12 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
         # back as itself and end the consumer's asyncio.run(). Workers ignore SIGINT, so a
         # KeyboardInterrupt here is user code's too.
         data = RemoteError.capture(where)
+        if spec.is_iterable and _state.fetcher is not None:
+            # Where the iterator stands after the error: a resume goes on from there too.
+            with contextlib.suppress(Exception):
+                state = capture_state(_state.fetcher, _state.dataset)
     finally:
         _transport.release_unsent()
         if slots is not None:
             slots[wid] = -1
-    return Result(send_idx, epoch, wid, os.getpid(), data, time.perf_counter() - start)
+    return Result(send_idx, epoch, wid, os.getpid(), data, time.perf_counter() - start, state)

@@ -321,7 +321,8 @@ async def test_start_failing_half_way_leaves_no_process(monkeypatch: pytest.Monk
 
 
 async def test_result_carries_epoch_worker_and_pid() -> None:
-    assert _worker.Result._fields == ("send_idx", "epoch", "worker_id", "pid", "data", "busy_s")
+    assert _worker.Result._fields[:6] == ("send_idx", "epoch", "worker_id", "pid", "data", "busy_s")
+    assert _worker.Result._fields[6:] == ("state",)
     pool = await start_pool(PidDataset(8), 2, "fork", per_worker=True)
     try:
         res = await result(pool.submit(5, [2, 3], 7, 1))

@@ -1,0 +1,146 @@
+"""Benchmark aioloader's AsyncDataLoader against torch's DataLoader.
+
+Run ``python -m aioloader.benchmark --help``. Every measurement alternates the loaders
+(torch, aioloader[, spdl]) round by round after in-round warm-up batches, and reports the median
+of the rounds and the ratio aioloader/torch. All workloads are synthetic; their datasets live at
+module level so they pickle by reference under ``spawn`` and ``forkserver``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from aioloader.benchmark._harness import (
+    AIO,
+    SPDL,
+    TORCH,
+    Config,
+    Row,
+    aio_class,
+    loader_kwargs,
+    run_once,
+    spdl_available,
+)
+from aioloader.benchmark._report import format_table, machine_info, write_plot
+from aioloader.benchmark.big import bench_big
+from aioloader.benchmark.cpu import bench_cpu
+from aioloader.benchmark.device import bench_device
+from aioloader.benchmark.iowait import bench_io
+from aioloader.benchmark.loop_lag import bench_loop_lag
+from aioloader.benchmark.resume import bench_resume
+from aioloader.benchmark.skewed import bench_skewed
+from aioloader.benchmark.startup import bench_startup
+from aioloader.benchmark.tiny import TinyDataset, bench_tiny
+from aioloader.benchmark.user_dataset import bench_dataset
+
+WORKLOADS = ("tiny", "cpu", "io", "big", "skewed", "startup", "loop-lag", "device", "resume")
+
+
+BENCHES: dict[str, Callable[[Config], list[Row]]] = {
+    "tiny": bench_tiny,
+    "cpu": bench_cpu,
+    "io": bench_io,
+    "big": bench_big,
+    "skewed": bench_skewed,
+    "startup": bench_startup,
+    "loop-lag": bench_loop_lag,
+    "device": bench_device,
+    "resume": bench_resume,
+    "dataset": bench_dataset,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m aioloader.benchmark", description=__doc__)
+    p.add_argument(
+        "--workload",
+        action="append",
+        default=[],
+        help=f"workload(s) to run, repeatable or comma list: {', '.join(WORKLOADS)}",
+    )
+    p.add_argument("--quick", action="store_true", help="shorter rounds; suite under 1 minute")
+    p.add_argument("--json", metavar="PATH", help="write raw rounds, medians and machine info")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the ratios")
+    p.add_argument("--workers", type=int, default=2, help="num_workers for both loaders")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (at least 3)")
+    p.add_argument(
+        "--dataset",
+        metavar="MODULE:FACTORY",
+        help="benchmark your own dataset: FACTORY() returns a map-style Dataset",
+    )
+    p.add_argument("--batch-size", type=int, default=32, help="batch size for --dataset")
+    p.add_argument("--batches", type=int, default=50, help="timed batches per round, --dataset")
+    args = p.parse_args(argv)
+    names = [n.strip() for w in args.workload for n in w.split(",") if n.strip()]
+    if args.dataset and not names:
+        names = ["dataset"]
+    elif args.dataset:
+        names.append("dataset")
+    names = names or list(WORKLOADS)
+    unknown = [n for n in names if n not in BENCHES or (n == "dataset" and not args.dataset)]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    if args.rounds < 3:
+        p.error("--rounds must be at least 3")
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
+    args.names = list(dict.fromkeys(names))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    aio_class()  # fail fast, before minutes of torch-only runs
+    loaders = [TORCH, AIO] + ([SPDL] if spdl_available() else [])
+    started = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"  [{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    cfg = Config(
+        args.workers,
+        args.rounds,
+        args.quick,
+        loaders,
+        progress,
+        {"dataset": args.dataset, "batch_size": args.batch_size, "batches": args.batches},
+    )
+    # One untimed pass of every loader first, so imports and first-use costs land nowhere.
+    for name in loaders:
+        run_once(name, TinyDataset(64), loader_kwargs(cfg, 8), 1)
+    rows: list[Row] = []
+    for name in args.names:
+        progress(f"workload {name}")
+        rows += BENCHES[name](cfg)
+    table = format_table(rows, loaders)
+    print(table)
+    elapsed = time.perf_counter() - started
+    print(
+        f"\n{len(rows)} rows in {elapsed:.0f}s; workers={args.workers}, rounds={args.rounds}, "
+        f"cpus={os.cpu_count()}, torch {torch.__version__}"
+    )
+    if args.json:
+        doc = {
+            "machine": machine_info(),
+            "argv": list(argv if argv is not None else sys.argv),
+            "elapsed_s": elapsed,
+            "loaders": loaders,
+            "rows": [r.to_json() for r in rows],
+        }
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    if args.plot:
+        write_plot(rows, args.plot)
+    return 0
