@@ -11,13 +11,14 @@ from ._errors import (
     PoisonBatchError,
     WorkerCrashedError,
 )
-from ._loader import AsyncDataLoader, LoaderStats
+from ._loader import AsyncDataLoader, AsyncMapDataset, LoaderStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AioLoaderError",
     "AsyncDataLoader",
+    "AsyncMapDataset",
     "EpochEndedError",
     "LoaderClosedError",
     "LoaderStats",

@@ -137,7 +137,12 @@ class ThreadBackend:
                 )
         state: Any = None
         try:
-            data: Any = Direct(self._fetcher.fetch(indices))
+            if isinstance(indices, _worker.Samples):  # an async source's samples
+                data: Any = Direct(
+                    self._dataset.collate(indices, self._collate_fn, self._auto_collation)
+                )
+            else:
+                data = Direct(self._fetcher.fetch(indices))
             if self._kind == _DatasetKind.Iterable:
                 # A copy: the dataset goes on changing its own state after this batch.
                 state = copy.deepcopy(_worker.capture_state(self._fetcher, self._dataset))

@@ -74,6 +74,8 @@ class Consumer:
         # consumer asks for the next one, so its device memory is freed only after the consumer
         # has queued all its work on it (see _device.py).
         self._last_delivered: Any = None
+        # send_idx of the batch the last _next_value() returned (acknowledgements need it).
+        self._received: int | None = None
 
     # --------------------------------------------------------------------- worker choice
 
@@ -159,6 +161,10 @@ class Consumer:
                 ep.fail(exc)
                 raise
             self._last_delivered = None
+            if ep.acks is not None:
+                # The loop body is done with the batch delivered last: acknowledge it now.
+                await self._flush_acks()
+            self._received = None
             value = await self._next_with_timeout()
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -177,6 +183,8 @@ class Consumer:
             raise
         except StopAsyncIteration:
             self._done = True
+            if ep.acks is not None and not ep.terminal:
+                await self._flush_acks()
             ended = ep.end(Phase.FINISHED)
             if ep.phase is Phase.FINISHED:
                 ep.progress.finished = True  # state_dict() now points at the next epoch
@@ -204,12 +212,32 @@ class Consumer:
             loader._wait_s += time.perf_counter() - t0
         if self._yielded == 0 and ep.started_at is not None:
             loader._ttfb = time.perf_counter() - ep.started_at
+        if ep.acks is not None:
+            ep.acks.received(self._received, ok=True)
         self._yielded += 1
         loader._batches += 1
         self._check_iterable_len()
         if self._stage is not None:
             self._last_delivered = value
         return value
+
+    async def _flush_acks(self) -> None:
+        """Acknowledge the batches received so far; a failure to is fatal for the epoch."""
+        ep = self._epoch
+        assert ep.acks is not None
+        try:
+            await ep.acks.flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            exc.add_note(
+                "aioloader: acknowledging delivered batches to the source failed; the epoch "
+                "ends here. Batches not acknowledged are delivered again by an at-least-once "
+                "source when it restarts."
+            )
+            self._done = True
+            ep.fail(exc)
+            raise
 
     async def _next_with_timeout(self) -> Any:
         timeout = self._epoch.loader.timeout
@@ -232,9 +260,12 @@ class Consumer:
         if self._stage is None:
             item = await ep.reorder.get()
             ep.permits.release()
+            idx = ep.reorder.last_idx
             wid, state = _origin(item)
-            ep.progress.delivered(ep.reorder.last_idx, wid, state)
-            return self._decode(item)
+            ep.progress.delivered(idx, wid, state)
+            value = self._decode_acked(item, idx)
+            self._received = idx
+            return value
         ready = await self._ready.get()
         assert self._slots is not None
         self._slots.release()
@@ -246,6 +277,7 @@ class Consumer:
         ep.progress.delivered(idx, wid, state)
         if isinstance(value, Failure):
             raise value.exc
+        self._received = idx
         return value
 
     async def _feed(self, stage: DeviceStage) -> None:
@@ -269,12 +301,24 @@ class Consumer:
             idx = ep.reorder.last_idx
             wid, state = _origin(item)
             try:
-                value = await stage.process(self._decode(item))
+                value = await stage.process(self._decode_acked(item, idx))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # this batch's error; the epoch goes on, as in torch
+                if ep.acks is not None:
+                    ep.acks.received(idx, ok=False)
                 value = Failure(exc)
             self._ready.put_nowait((idx, wid, state, value))
+
+    def _decode_acked(self, item: Any, idx: int) -> Any:
+        """:meth:`_decode` of batch ``idx``; a batch that raises instead is never acknowledged."""
+        try:
+            return self._decode(item)
+        except BaseException:
+            acks = self._epoch.acks
+            if acks is not None:
+                acks.received(idx, ok=False)
+            raise
 
     def _decode(self, item: Any) -> Any:
         if isinstance(item, Failure):

@@ -46,6 +46,7 @@ from ._recovery import Recovery
 from ._reorder import ReorderBuffer
 from ._resume import Progress
 from ._scheduler import Flight, run_scheduler
+from ._stream import Acks, run_stream_scheduler
 
 if TYPE_CHECKING:
     from ._loader import AsyncDataLoader
@@ -107,6 +108,9 @@ class Epoch:
         self.loop_thread: int | None = None
         self.started_at: float | None = None
         self.recovery = Recovery(self)
+        # An async source with an ``ack`` method: delivered batches are acknowledged to it.
+        stream = loader._stream
+        self.acks = Acks(stream.ack) if stream is not None and stream.ack is not None else None
         self.consumer = Consumer(self)
         self._watched: list[int] = []
         self._start_task: asyncio.Task[None] | None = None
@@ -335,8 +339,9 @@ class Epoch:
         self.install(backend, owned)
         loop = asyncio.get_running_loop()
         self._to(Phase.RUNNING)
+        schedule = run_scheduler if self.loader._stream is None else run_stream_scheduler
         self._sched_task = loop.create_task(
-            run_scheduler(self), name=f"aioloader-scheduler:{self.epoch_no}"
+            schedule(self), name=f"aioloader-scheduler:{self.epoch_no}"
         )
         self.consumer.start()
 

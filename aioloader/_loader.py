@@ -24,9 +24,9 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from multiprocessing.context import BaseContext
-from typing import Any, Generic, Literal, NamedTuple, NoReturn, Self
+from typing import Any, Generic, Literal, NamedTuple, NoReturn, Protocol, Self
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
@@ -43,12 +43,21 @@ from ._errors import EpochEndedError, LoaderClosedError
 from ._executor import WorkerPool
 from ._phase import Phase
 from ._resume import Position, Progress, Start
+from ._stream import StreamInput, check_latency, source_kind
 
-__all__ = ("AsyncDataLoader", "LoaderStats")
+__all__ = ("AsyncDataLoader", "AsyncMapDataset", "LoaderStats")
 
 #: The batch type: what ``collate_fn`` returns (``Any`` with torch's default collation).
 _B = TypeVar("_B", default=Any)
 _E = TypeVar("_E")
+
+
+class AsyncMapDataset(Protocol):
+    """A map-style dataset whose ``__getitem__`` is ``async def`` (e.g. fetching over HTTP)."""
+
+    def __getitem__(self, index: Any, /) -> Awaitable[Any]: ...
+
+    def __len__(self) -> int: ...
 
 
 class LoaderStats(NamedTuple):
@@ -112,6 +121,21 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             ``world_size``. Default: ``torch.distributed``'s when it is initialised, else 0.
         world_size: The number of data-parallel processes, shown to workers as
             ``get_worker_info().world_size``. Default: ``torch.distributed``'s, else 1.
+        transform: Async sources only: a picklable callable applied to each sample in the
+            workers (or the ``num_workers=0`` thread) before ``collate_fn``.
+        max_batch_latency: Async iterable sources only: seconds after a batch's first sample
+            arrived at which the batch closes even if it holds fewer than ``batch_size`` samples.
+            ``None`` (the default) closes batches by size alone.
+        source_concurrency: Async map-style datasets: at most this many ``__getitem__`` (or
+            ``__getitems__``) calls run at once on the event loop.
+
+    The dataset may be an **async source**: an async iterable (an ``async def`` generator, an
+    object with ``__aiter__``), read on the event loop and batched by size or time, or a map-style
+    dataset whose ``__getitem__``/``__getitems__`` is ``async def``. The source stays in this
+    process; its samples go to the workers for ``transform`` and ``collate_fn``. A source with an
+    ``ack(samples)`` method (plain or ``async``) is told, batch by batch in delivery order, which
+    samples the consumer received, once the consumer asks for the next batch. See
+    ``docs/streaming.md``.
 
     Example::
 
@@ -123,7 +147,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
 
     def __init__(
         self,
-        dataset: Dataset[Any],
+        dataset: Dataset[Any] | AsyncIterable[Any] | AsyncMapDataset,
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
@@ -148,11 +172,26 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         seeding: Literal["worker", "batch"] = "worker",
         rank: int | None = None,
         world_size: int | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        max_batch_latency: float | None = None,
+        source_concurrency: int = 16,
     ) -> None:
+        stream = _stream_input(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            transform=transform,
+            max_batch_latency=max_batch_latency,
+            source_concurrency=source_concurrency,
+        )
         # torch's own constructor does the validation, picks the default samplers and collate_fn,
         # and starts nothing: workers start only when it is iterated, which we never do.
         torch_loader: DataLoader[Any] = DataLoader(
-            dataset,
+            # An async source passes torch's checks as a map-style dataset; its sampler is never
+            # iterated (an async map-style dataset's is, and indexes it as torch would).
+            dataset,  # type: ignore[arg-type]
             batch_size=batch_size,
             shuffle=shuffle,
             sampler=sampler,
@@ -210,6 +249,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             DeviceStage(pin_memory=pin_memory, device=device, pin_memory_device=pin_memory_device)
         self.device = device
         self.device_prefetch = device_prefetch
+        self.transform = transform
+        self.max_batch_latency = max_batch_latency
+        self.source_concurrency = source_concurrency
+        self._stream = stream
         self._torch = torch_loader
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
         # Which worker loads a batch decides its random augmentations (each worker's RNG is one
@@ -258,6 +301,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
 
     def __len__(self) -> int:
         """Batches per epoch, as ``len()`` of torch's DataLoader (an estimate for iterables)."""
+        if self._stream is not None and self._stream.kind == "iterable":
+            raise TypeError("an async iterable source has no len(): batches close by size or time")
         return len(self._torch)
 
     def __repr__(self) -> str:
@@ -395,6 +440,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 its iterator has ``state_dict()``/``load_state_dict()``, so its position cannot
                 be saved.
         """
+        self._refuse_stream_resume("state_dict")
         if self._pending is not None:
             return self._pending.to_dict()
         p = self._progress
@@ -425,6 +471,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         """
         if self._state is _State.CLOSED:
             raise _closed_error()
+        self._refuse_stream_resume("load_state_dict")
         running = [e for e in list(self._epochs) if not e.terminal]
         if running:
             raise RuntimeError(
@@ -435,6 +482,14 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._pending = _PendingResume.parse(state, self)
         if self._pending.persistent_seed is not None:
             self._persistent_seed = self._pending.persistent_seed
+
+    def _refuse_stream_resume(self, what: str) -> None:
+        if self._stream is not None:
+            raise ValueError(
+                f"{what}() is not supported for an async source: its position is the source's "
+                "own (an at-least-once source with ack(), such as RedisStreamSource, delivers "
+                "again what was not acknowledged when it restarts)"
+            )
 
     def set_epoch(self, epoch: int) -> None:
         """Call ``set_epoch(epoch)`` on the sampler and batch sampler that have it (e.g.
@@ -506,9 +561,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             progress = Progress(
                 pending.epoch,
                 start,
-                Position(
-                    pending.position.low, pending.position.above, counting=self._is_iterable
-                ),
+                Position(pending.position.low, pending.position.above, counting=self._is_iterable),
                 worker_states=pending.worker_states,
                 last_worker=pending.last_worker,
                 iterable=self._is_iterable,
@@ -623,7 +676,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         """Runs in: a helper thread (pickling a large dataset takes a while)."""
         rank, world_size = self._rank_given or _distributed_rank()
         ctx = self._mp_context()
-        objects = (self.dataset, self.collate_fn, self.worker_init_fn)
+        objects = (self._worker_dataset(), self.collate_fn, self.worker_init_fn)
         payload = None
         if ctx.get_start_method() != "fork":
             payload = _transport.dump_payload(objects)
@@ -645,6 +698,13 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             world_size=world_size,
         )
 
+    def _worker_dataset(self) -> Any:
+        """What the workers hold: the dataset, or for an async source its per-sample transform
+        (the source itself stays on the loop and need not pickle)."""
+        if self._stream is not None:
+            return _worker.SampleCollator(self.transform)
+        return self.dataset
+
     async def _new_pool(self, base_seed: int) -> WorkerPool:
         return await WorkerPool.start(
             functools.partial(self._make_spec, base_seed), self._mp_context(), self._pinned_workers
@@ -654,7 +714,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         """(backend, owned by the epoch). Persistent workers: the loader's pool, started once."""
         if self.num_workers == 0:
             backend = ThreadBackend(
-                dataset=self.dataset,
+                dataset=self._worker_dataset(),
                 is_iterable=self._is_iterable,
                 auto_collation=self.batch_sampler is not None,
                 collate_fn=self.collate_fn,
@@ -753,6 +813,64 @@ async def _next(iterator: _EpochIterator[Any], step: Coroutine[Any, Any, Any]) -
         return await step
     finally:
         del iterator
+
+
+def _stream_input(
+    dataset: Any,
+    *,
+    batch_size: int | None,
+    shuffle: bool | None,
+    sampler: Any,
+    batch_sampler: Any,
+    transform: Any,
+    max_batch_latency: object,
+    source_concurrency: object,
+) -> StreamInput | None:
+    """Validate the async-source arguments; None when ``dataset`` is not an async source."""
+    kind = source_kind(dataset)
+    _check_int(
+        "source_concurrency",
+        source_concurrency,
+        1,
+        None,
+        "a positive int (async __getitem__ calls run at once)",
+    )
+    latency = check_latency(max_batch_latency)
+    if kind is None:
+        for name, value in (("transform", transform), ("max_batch_latency", latency)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} applies to async sources only (an async iterable, or a dataset "
+                    f"whose __getitem__ is async def), and {type(dataset).__name__} is neither; "
+                    "for a torch Dataset apply it in __getitem__ or collate_fn"
+                )
+        return None
+    if transform is not None and not callable(transform):
+        raise TypeError(f"transform should be a callable applied to each sample, got {transform!r}")
+    if kind == "map" and latency is not None:
+        raise ValueError(
+            "max_batch_latency applies to async iterable sources (a stream); an async map-style "
+            "dataset's batches are fixed by its sampler"
+        )
+    if kind == "iterable":
+        if shuffle:
+            raise ValueError(
+                "shuffle=True cannot apply to an async iterable source: it is a stream, read in "
+                "arrival order and possibly endless, so there is no whole to shuffle. Shuffle "
+                "in the producer, or batch by arrival and shuffle within a batch in collate_fn"
+            )
+        if sampler is not None or batch_sampler is not None:
+            raise ValueError(
+                "sampler and batch_sampler cannot apply to an async iterable source: it has no "
+                "indices (batches are formed by batch_size and max_batch_latency)"
+            )
+    return StreamInput(
+        dataset,
+        kind,
+        max_batch_latency=latency,
+        source_concurrency=int(source_concurrency),  # type: ignore[call-overload]
+        batch_size=batch_size,
+    )
 
 
 def _require_asyncio() -> None:

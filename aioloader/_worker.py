@@ -38,7 +38,17 @@ from torch.utils.data._utils import worker as torch_worker
 
 from . import _transport
 
-__all__ = ("Exhausted", "Extra", "RemoteError", "Result", "WorkerSpec", "fetch", "init")
+__all__ = (
+    "Exhausted",
+    "Extra",
+    "RemoteError",
+    "Result",
+    "SampleCollator",
+    "Samples",
+    "WorkerSpec",
+    "fetch",
+    "init",
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,54 @@ class WorkerSpec:
     #: This process's rank and world size in data-parallel training (``get_worker_info()``).
     rank: int = 0
     world_size: int = 1
+
+
+class Samples(list[Any]):
+    """A task's samples, already read by the main process (an async source): collate these.
+
+    Submitted in place of an index batch, so the executors, the recovery and the reorder buffer
+    carry it unchanged. Its repr is short: it names a batch in error messages.
+    """
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} samples from an async source>"
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Plain pickle copies tensors inline. The executor's queue would otherwise use torch's
+        # shared-memory reduction: one segment and one fd per sample tensor, moved in place.
+        return _load_samples, (pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL),)
+
+
+def _load_samples(data: bytes) -> Samples:
+    return Samples(pickle.loads(data))
+
+
+class SampleCollator:
+    """The dataset a worker holds for an async source: the source itself never leaves the loop.
+
+    ``get_worker_info().dataset`` is this object. ``transform`` runs per sample, then
+    ``collate_fn`` on the list (or on the one sample when ``batch_size=None``).
+    """
+
+    def __init__(self, transform: Any) -> None:
+        self.transform = transform
+
+    def collate(self, samples: list[Any], collate_fn: Any, auto_collation: bool) -> Any:
+        transform = self.transform
+        if transform is not None:
+            samples = [transform(s) for s in samples]
+        try:
+            if auto_collation:
+                return collate_fn(samples)
+            return collate_fn(samples[0])
+        except TypeError as exc:
+            if transform is None and "default_collate" in str(exc):
+                exc.add_note(
+                    "aioloader: the async source yielded samples that collate_fn cannot batch; "
+                    "pass transform= (a function run per sample in the workers) that turns each "
+                    "one into tensors, numbers or containers of them, or a collate_fn of your own"
+                )
+            raise
 
 
 class Exhausted(NamedTuple):
@@ -360,7 +418,7 @@ def init(
 
 
 def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
-    """Load and collate one batch. Runs in: a worker process."""
+    """Load and collate one batch (or collate :class:`Samples`). Runs in: a worker process."""
     start = time.perf_counter()
     wid = _state.worker_id
     if _state.init_error is not None:
@@ -403,6 +461,8 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
                     send_idx, epoch, wid, os.getpid(), Exhausted(wid), time.perf_counter() - start
                 )
             state = capture_state(_state.fetcher, _state.dataset)
+        elif isinstance(indices, Samples):
+            batch = _state.dataset.collate(indices, _state.collate_fn, spec.auto_collation)
         else:
             batch = _state.fetcher.fetch(indices)
         try:

@@ -129,8 +129,7 @@ def test_mypy_strict_checks_a_user_script(tmp_path: Path) -> None:
         'note: Revealed type is "int"',
         'note: Revealed type is "int | None"',
         'note: Revealed type is "multiprocessing.context.BaseContext | None"',
-        'error: "AsyncDataLoader[tuple[Tensor, int]]" has no attribute "batchsize"  '
-        "[attr-defined]",
+        'error: "AsyncDataLoader[tuple[Tensor, int]]" has no attribute "batchsize"  [attr-defined]',
         'note: Revealed type is "tuple[torch._tensor.Tensor, int]"',
         'note: Revealed type is "torch.utils.data.dataset.Dataset[Any]"',
         'note: Revealed type is "aioloader._loader.AsyncDataLoader[Any]"',

@@ -3,8 +3,8 @@
 Layout: ``_harness`` (rows, timers, running and alternating loaders), ``_report`` (table, JSON
 machine block, chart), ``_cli`` (flags and the workload registry) and one module per workload
 (``tiny``, ``cpu``, ``iowait``, ``big``, ``skewed``, ``startup``, ``loop_lag``, ``device``,
-``user_dataset``). A new workload is a module with a ``bench_*(cfg) -> list[Row]`` function,
-registered in ``_cli.BENCHES`` and ``_cli.WORKLOADS``.
+``stream``, ``user_dataset``). A new workload is a module with a ``bench_*(cfg) -> list[Row]``
+function, registered in ``_cli.BENCHES`` and ``_cli.WORKLOADS``.
 """
 
 from aioloader.benchmark._cli import main, parse_args

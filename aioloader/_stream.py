@@ -1,0 +1,366 @@
+"""Stream stage: an async source -> windows of samples -> workers. Runs in: the event loop.
+
+Replaces the index scheduler (``_scheduler``) when the dataset is an *async source*:
+
+* an **async iterable** (an ``async def`` generator, or any object with ``__aiter__``): one reader
+  task drains it into a buffer of ``batch_size`` samples; a window closes when it holds
+  ``batch_size`` samples or when ``max_batch_latency`` seconds have passed since its first sample
+  arrived, whichever comes first;
+* an **async map-style dataset** (``async def __getitem__`` or ``__getitems__``): the sampler's
+  index batches are fetched on the loop, at most ``source_concurrency`` calls at a time, several
+  batches ahead.
+
+Each closed window becomes one :class:`~aioloader._worker.Samples` task with the next ``send_idx``,
+so ordering, the in-flight bound, crash recovery and the consumer are the index path's own; the
+workers apply ``transform`` per sample and then ``collate_fn``.
+
+Backpressure: a window is opened only with a permit in hand (the same ``max_in_flight`` permits
+the index path uses, returned when the consumer receives a batch), so when the consumer falls
+behind nothing more is read. Samples read and not yet delivered never exceed
+``max_in_flight * batch_size`` (windows in flight, the open one included) ``+ batch_size`` (the
+reader's buffer) ``+ 1`` (the sample the reader holds while the buffer is full).
+
+Acknowledgement: when the source has an ``ack`` method, :class:`Acks` remembers each submitted
+window's samples and calls ``source.ack(samples)`` once per batch, in delivery order, when the
+consumer asks for the *next* batch (its loop body finished with this one) or reaches the end of
+the epoch. A batch that was never delivered (``break``, cancellation, an error at its position)
+is never acknowledged; neither is the last batch of an epoch left by ``break``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ._consumer import Failure
+from ._resume import batch_seed
+from ._sampling import IndexStream
+from ._scheduler import Flight
+from ._worker import Samples
+
+if TYPE_CHECKING:
+    from ._epoch import Epoch
+
+__all__ = ("Acks", "StreamInput", "run_stream_scheduler", "source_kind")
+
+
+def source_kind(dataset: object) -> str | None:
+    """``"iterable"`` for an async iterable, ``"map"`` for an async map-style dataset, or None."""
+    cls = type(dataset)
+    if hasattr(cls, "__aiter__"):
+        return "iterable"
+    for name in ("__getitems__", "__getitem__"):
+        if inspect.iscoroutinefunction(getattr(cls, name, None)):
+            return "map"
+    return None
+
+
+class StreamInput:
+    """A loader's async source and how it is read; validated once, in the loader's constructor."""
+
+    def __init__(
+        self,
+        source: Any,
+        kind: str,
+        *,
+        max_batch_latency: float | None,
+        source_concurrency: int,
+        batch_size: int | None,
+    ) -> None:
+        self.source = source
+        self.kind = kind
+        self.max_batch_latency = max_batch_latency
+        self.source_concurrency = source_concurrency
+        self.batch_size = batch_size
+        ack = getattr(source, "ack", None)
+        self.ack: Callable[[list[Any]], Any] | None = ack if callable(ack) else None
+
+
+def check_latency(value: object) -> float | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            "max_batch_latency should be a positive number of seconds (a batch closes that long "
+            f"after its first sample arrived, or when it is full), or None, got {value!r}"
+        )
+    return float(value)
+
+
+class Acks:
+    """Acknowledges delivered batches to the source, in delivery order. See the module docstring."""
+
+    def __init__(self, ack: Callable[[list[Any]], Any]) -> None:
+        self._ack = ack
+        self._submitted: dict[int, Samples] = {}
+        self._received: list[Samples] = []
+
+    def submitted(self, send_idx: int, samples: Samples) -> None:
+        self._submitted[send_idx] = samples
+
+    def received(self, send_idx: int | None, ok: bool) -> None:
+        """The consumer got batch ``send_idx`` (``ok``) or its error (never acknowledged)."""
+        if send_idx is None:
+            return
+        samples = self._submitted.pop(send_idx, None)
+        if ok and samples is not None:
+            self._received.append(samples)
+
+    async def flush(self) -> None:
+        """Acknowledge every batch received so far, oldest first."""
+        while self._received:
+            samples = self._received.pop(0)
+            result = self._ack(list(samples))
+            if inspect.isawaitable(result):
+                await result
+
+
+async def run_stream_scheduler(epoch: Epoch) -> None:
+    """Submit the epoch's windows of samples, then close the reorder buffer at the end."""
+    stream = epoch.loader._stream
+    assert stream is not None
+    try:
+        if stream.kind == "iterable":
+            await _run_iterable(epoch, stream)
+        else:
+            await _run_map(epoch, stream)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # a bug of ours: surface it rather than hang the consumer
+        epoch.fail(exc)
+
+
+def _submit(epoch: Epoch, send_idx: int, samples: Samples, wid: int | None) -> None:
+    if epoch.acks is not None:
+        epoch.acks.submitted(send_idx, samples)
+    seed = None
+    if epoch.loader.seeding == "batch":
+        seed = batch_seed(epoch.base_seed, epoch.progress.epoch, send_idx)
+    epoch.in_flight[send_idx] = Flight(samples, wid, None, seed)
+    epoch.submit(send_idx)
+
+
+async def _permit(epoch: Epoch) -> tuple[bool, int | None]:
+    """Wait for a permit and a running epoch; (False, None) if the epoch ended meanwhile."""
+    await epoch.permits.acquire()
+    await epoch.resumed.wait()
+    if epoch.terminal:
+        return False, None
+    wid = epoch.consumer.pick_worker() if epoch.loader._pinned_workers else None
+    return True, wid
+
+
+class _End(NamedTuple):
+    """The reader's last item: the source ran dry (``error`` None) or raised ``error``."""
+
+    error: BaseException | None
+
+
+class _Reader:
+    """Runs in: one task per epoch. Source -> ``buffer`` (bounded), each sample with its arrival.
+
+    Reading in one task and draining the buffer without suspending keeps the cost per sample to
+    a queue put and get; waiting for the source sample by sample cost ~100 us each.
+    """
+
+    def __init__(self, source: Any, size: int) -> None:
+        self.source = source
+        self.buffer: asyncio.Queue[tuple[Any, float] | _End] = asyncio.Queue(maxsize=size)
+        self.stopping = False
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        buffer = self.buffer
+        it: Any = None
+        try:
+            it = aiter(self.source)
+            async for sample in it:
+                if self.stopping:
+                    return
+                await buffer.put((sample, loop.time()))
+        except Exception as exc:  # the source failed: raised at its position in the stream
+            if not self.stopping:
+                await buffer.put(_End(exc))
+        else:
+            if not self.stopping:
+                await buffer.put(_End(None))
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                # A source left early (break, cancellation, a crash) releases what it holds now.
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        """End the reader (and so the source) and wait for it.
+
+        Cancelling alone is not enough: a source may swallow the cancellation (a client library
+        that turns it into a reconnect) and hand over one more sample, which would then wait
+        for room in a full buffer for ever. So the reader is also told to stop, and the buffer
+        is emptied until it has.
+        """
+        self.stopping = True
+        task.cancel()
+        while not task.done():
+            while not self.buffer.empty():
+                self.buffer.get_nowait()  # wakes a reader waiting for room
+            with contextlib.suppress(BaseException):
+                await asyncio.wait([task])
+
+
+async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
+    loop = asyncio.get_running_loop()
+    size = stream.batch_size if stream.batch_size is not None else 1
+    latency = stream.max_batch_latency
+    drop_last = bool(epoch.loader.drop_last)
+    # At most one window's worth read ahead of the open window: the backpressure bound.
+    reading = _Reader(stream.source, size)
+    buffer = reading.buffer
+    reader = loop.create_task(reading.run(), name="aioloader-source-reader")
+    send_idx = 0
+    try:
+        while True:
+            ok, wid = await _permit(epoch)
+            if not ok:
+                return
+            window = Samples()
+            deadline: float | None = None
+            end: _End | None = None
+            while len(window) < size:
+                if buffer.empty():
+                    if deadline is None:
+                        item = await buffer.get()
+                    else:
+                        remaining = deadline - loop.time()
+                        if remaining <= 0:
+                            break  # closed by time
+                        try:
+                            async with asyncio.timeout(remaining):
+                                item = await buffer.get()  # cancel-safe: nothing is lost
+                        except TimeoutError:
+                            break  # closed by time
+                else:
+                    item = buffer.get_nowait()
+                if isinstance(item, _End):
+                    end = item
+                    break
+                sample, arrived = item
+                window.append(sample)
+                if deadline is None and latency is not None:
+                    deadline = arrived + latency
+            error = end.error if end is not None else None
+            dropped = not window or (drop_last and len(window) < size)
+            if end is not None and error is None and dropped:
+                epoch.permits.release()  # nothing (left) to deliver: drop_last as in torch
+                break
+            await epoch.resumed.wait()  # a crash while reading pauses submission here
+            if epoch.terminal:
+                return
+            if window:
+                _submit(epoch, send_idx, window, wid)
+                send_idx += 1
+                if error is not None:
+                    ok, _ = await _permit(epoch)
+                    if not ok:
+                        return
+            if error is not None:
+                epoch.reorder.put(send_idx, Failure(error))
+                send_idx += 1
+            if end is not None:
+                break
+        epoch.reorder.close(send_idx)
+    finally:
+        await reading.stop(reader)
+
+
+async def _run_map(epoch: Epoch, stream: StreamInput) -> None:
+    loader = epoch.loader
+    indices_stream = IndexStream(
+        loader._index_sampler, batch_sampler=loader.batch_sampler is not None
+    )
+    calls = asyncio.Semaphore(stream.source_concurrency)
+    loop = asyncio.get_running_loop()
+    fetches: set[asyncio.Task[None]] = set()
+    send_idx = 0
+    try:
+        while True:
+            ok, wid = await _permit(epoch)
+            if not ok:
+                return
+            try:
+                indices = await indices_stream.next()
+            except StopAsyncIteration:
+                epoch.permits.release()
+                break
+            except Exception as exc:  # the user's sampler failed: raise it at this position
+                epoch.reorder.put(send_idx, Failure(exc))
+                send_idx += 1
+                break
+            task = loop.create_task(
+                _fetch_and_submit(epoch, stream, send_idx, indices, wid, calls),
+                name=f"aioloader-source-fetch:{send_idx}",
+            )
+            fetches.add(task)
+            task.add_done_callback(fetches.discard)
+            send_idx += 1
+        epoch.reorder.close(send_idx)
+        while fetches:
+            await asyncio.wait(list(fetches))
+    finally:
+        for task in list(fetches):
+            task.cancel()
+        if fetches:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait(list(fetches))
+
+
+async def _fetch_and_submit(
+    epoch: Epoch,
+    stream: StreamInput,
+    send_idx: int,
+    indices: Any,
+    wid: int | None,
+    calls: asyncio.Semaphore,
+) -> None:
+    try:
+        samples = await _fetch(stream.source, indices, stream.batch_size is not None, calls)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # __getitem__ raised: at this batch's position, as in torch
+        if not epoch.terminal:
+            epoch.reorder.put(send_idx, Failure(exc))
+        return
+    await epoch.resumed.wait()
+    if epoch.terminal:
+        return
+    _submit(epoch, send_idx, samples, wid)
+
+
+async def _fetch(dataset: Any, indices: Any, batched: bool, calls: asyncio.Semaphore) -> Samples:
+    if not batched:
+        async with calls:
+            return Samples([await dataset[indices]])
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None and inspect.iscoroutinefunction(getitems):
+        async with calls:
+            return Samples(await getitems(list(indices)))
+
+    async def one(idx: Any) -> Any:
+        async with calls:
+            return await dataset[idx]
+
+    tasks = [asyncio.ensure_future(one(idx)) for idx in indices]
+    try:
+        return Samples(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:  # one failed: the others are not needed any more
+            task.cancel()

@@ -1,0 +1,254 @@
+"""A Redis Streams consumer-group source, at least once. Needs ``pip install aioloader[redis]``.
+
+Reads with ``XREADGROUP GROUP g c COUNT n BLOCK ms STREAMS s >`` on the event loop (the
+``redis.asyncio`` client), and the loader acknowledges each batch with ``XACK`` once its consumer
+has received it (see :class:`~aioloader.AsyncDataLoader`). Entries read but never acknowledged (the
+consumer was killed, or left with ``break``) stay in the group's pending list and are read again:
+
+* by a consumer restarted under the same name, which first re-reads its own pending entries;
+* by any consumer of the group, which claims entries pending for longer than ``claim_idle_s`` on
+  other (dead) consumers with ``XAUTOCLAIM``, at start and every ``claim_every_s``.
+
+A server that goes away raises the client's ``ConnectionError`` (after the client's few retries)
+at the batch's position in the consumer, with a note naming the stream; it never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+try:
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import RedisError, ResponseError
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "aioloader.sources.redis needs the redis package: pip install 'aioloader[redis]'"
+    ) from exc
+
+__all__ = ("RedisStreamSource", "StreamEntry")
+
+
+class StreamEntry(NamedTuple):
+    """One stream entry: its ID and its fields (``str`` keys and values, decoded as UTF-8)."""
+
+    id: str
+    fields: dict[str, str]
+
+
+class RedisStreamSource:
+    """Entries of one Redis stream, read as consumer ``consumer`` of group ``group``.
+
+    Pass it as the loader's dataset; give the loader a ``transform`` that turns a
+    :class:`StreamEntry` into tensors. Use it as an async context manager (or call :meth:`aclose`)
+    to close its connections.
+
+    Args:
+        url: The server, as ``redis://host:port/db``.
+        stream: The stream's key.
+        group: The consumer group; created at the stream's start (``start_id``) if missing.
+        consumer: This consumer's name, unique in the group. A consumer restarted under the same
+            name re-reads what it read but never acknowledged.
+        count: Entries asked for per ``XREADGROUP``/``XAUTOCLAIM`` call.
+        block_s: How long one ``XREADGROUP`` waits for new entries.
+        claim_idle_s: Entries pending on another consumer for this long are claimed (that
+            consumer is taken for dead). Longer than the slowest batch's time to acknowledge.
+        claim_every_s: How often stale entries are looked for.
+        start_id: Where a newly created group starts: ``"0"`` (the whole stream) or ``"$"`` (only
+            entries added from now on).
+        socket_timeout_s: A reply slower than ``block_s`` plus this fails as a lost connection.
+        stop_after_idle_s: End the iteration (so the epoch finishes and its last batch is
+            acknowledged) once no entry arrived for this long; ``None`` (the default) reads
+            forever. For draining a backlog, and for tests.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 256,
+        block_s: float = 0.1,
+        claim_idle_s: float = 30.0,
+        claim_every_s: float = 5.0,
+        start_id: str = "0",
+        socket_timeout_s: float = 5.0,
+        stop_after_idle_s: float | None = None,
+    ) -> None:
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"count should be a positive int (entries per read), got {count!r}")
+        for name, fvalue in (
+            ("block_s", block_s),
+            ("claim_idle_s", claim_idle_s),
+            ("claim_every_s", claim_every_s),
+            ("socket_timeout_s", socket_timeout_s),
+            ("stop_after_idle_s", 1.0 if stop_after_idle_s is None else stop_after_idle_s),
+        ):
+            if not isinstance(fvalue, (int, float)) or isinstance(fvalue, bool) or fvalue <= 0:
+                raise ValueError(f"{name} should be a positive number of seconds, got {fvalue!r}")
+        self.url = url
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.count = count
+        self.block_s = block_s
+        self.claim_idle_s = claim_idle_s
+        self.claim_every_s = claim_every_s
+        self.start_id = start_id
+        self.socket_timeout_s = socket_timeout_s
+        self.stop_after_idle_s = stop_after_idle_s
+        self._client: aioredis.Redis | None = None
+        # Entries yielded and not acknowledged yet: XAUTOCLAIM must not hand them to us twice.
+        self._held: set[str] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"<RedisStreamSource {self.url} stream={self.stream!r} group={self.group!r} "
+            f"consumer={self.consumer!r}>"
+        )
+
+    async def __aenter__(self) -> RedisStreamSource:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connections. The group and its pending entries stay on the server."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    def _redis(self) -> aioredis.Redis:
+        if self._client is None:
+            self._client = aioredis.Redis.from_url(
+                self.url,
+                decode_responses=True,
+                protocol=2,  # the reply shapes parsed here
+                socket_timeout=self.block_s + self.socket_timeout_s,
+                socket_connect_timeout=self.socket_timeout_s,
+                # A few quick retries ride out a blip; a server that is gone fails in ~1 s.
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+            )
+        return self._client
+
+    def _lost(self, exc: RedisError) -> RedisError:
+        exc.add_note(
+            f"aioloader: Redis stream {self.stream!r} (group {self.group!r}, consumer "
+            f"{self.consumer!r}) at {self.url} failed. Entries read but not acknowledged stay "
+            "pending on the server and are delivered again when a consumer of the group restarts."
+        )
+        return exc
+
+    async def ensure_group(self) -> None:
+        """Create the consumer group (and the stream) unless they exist."""
+        try:
+            await self._redis().xgroup_create(self.stream, self.group, self.start_id, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def ack(self, samples: list[StreamEntry]) -> None:
+        """``XACK`` the entries of a batch the consumer received (called by the loader)."""
+        ids = [s.id for s in samples]
+        if not ids:
+            return
+        try:
+            await self._redis().xack(self.stream, self.group, *ids)
+        except RedisError as exc:
+            raise self._lost(exc) from None
+        self._held.difference_update(ids)
+
+    async def __aiter__(self) -> AsyncIterator[StreamEntry]:
+        self._held.clear()  # a new epoch: nothing of this consumer's is in a batch in flight
+        try:
+            await self.ensure_group()
+            async for entry in self._own_pending():
+                yield entry
+            loop = asyncio.get_running_loop()
+            next_claim = last_entry = loop.time()
+            while True:
+                if loop.time() >= next_claim:
+                    async for entry in self._claim_stale():
+                        last_entry = loop.time()
+                        yield entry
+                    next_claim = loop.time() + self.claim_every_s
+                reply = await self._redis().xreadgroup(
+                    self.group,
+                    self.consumer,
+                    {self.stream: ">"},
+                    count=self.count,
+                    block=max(1, round(self.block_s * 1000)),
+                )
+                entries = self._entries(reply)
+                for entry in entries:
+                    yield entry
+                now = loop.time()
+                if entries:
+                    last_entry = now
+                elif (
+                    self.stop_after_idle_s is not None
+                    and now - last_entry >= self.stop_after_idle_s
+                ):
+                    return
+        except RedisError as exc:
+            raise self._lost(exc) from None
+
+    async def _own_pending(self) -> AsyncIterator[StreamEntry]:
+        """What this consumer name read before (a restart) and never acknowledged."""
+        cursor = "0"
+        while True:
+            reply = await self._redis().xreadgroup(
+                self.group, self.consumer, {self.stream: cursor}, count=self.count
+            )
+            entries, last = self._entries(reply), _last_id(reply)
+            for entry in entries:
+                yield entry
+            if last is None:
+                return
+            cursor = last
+
+    async def _claim_stale(self) -> AsyncIterator[StreamEntry]:
+        """Entries pending on dead consumers for longer than ``claim_idle_s``, claimed."""
+        cursor = "0-0"
+        while True:
+            reply: Any = await self._redis().xautoclaim(
+                self.stream,
+                self.group,
+                self.consumer,
+                min_idle_time=max(1, round(self.claim_idle_s * 1000)),
+                start_id=cursor,
+                count=self.count,
+            )
+            cursor = reply[0]
+            for entry_id, fields in reply[1]:
+                if fields and entry_id not in self._held:
+                    self._held.add(entry_id)
+                    yield StreamEntry(entry_id, dict(fields))
+            if cursor in ("0-0", "0"):
+                return
+
+    def _entries(self, reply: Any) -> list[StreamEntry]:
+        out = []
+        for entry_id, fields in _stream_entries(reply):
+            if fields:  # an entry deleted (XDEL) while pending reads as empty
+                self._held.add(entry_id)
+                out.append(StreamEntry(entry_id, dict(fields)))
+        return out
+
+
+def _stream_entries(reply: Any) -> list[Any]:
+    """The entry list of a one-stream XREADGROUP reply (RESP2: ``[[stream, entries]]``)."""
+    if not reply:
+        return []
+    return list(reply[0][1])
+
+
+def _last_id(reply: Any) -> str | None:
+    entries = _stream_entries(reply)
+    return str(entries[-1][0]) if entries else None

@@ -1,0 +1,195 @@
+"""RedisStreamSource against a real redis-server: delivery, XACK, XAUTOCLAIM, a killed consumer,
+a server that goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aioloader import AsyncDataLoader
+from tests.redis_server import RedisServer
+
+redis = pytest.importorskip("redis", reason="the redis package is not installed ([redis] extra)")
+from aioloader.sources.redis import RedisStreamSource, StreamEntry  # noqa: E402
+from tests.redis_consumer import to_sample  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _server() -> RedisServer:
+    try:
+        return RedisServer()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    server = _server()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def produce(url: str, stream: str, n: int) -> list[str]:
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        pipe = client.pipeline()
+        for i in range(n):
+            pipe.xadd(stream, {"x": str(i), "y": str(2 * i)})
+        return [str(x) for x in pipe.execute()]
+    finally:
+        client.close()
+
+
+def pending(url: str, stream: str, group: str) -> int:
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        return int(client.xpending(stream, group)["pending"])
+    finally:
+        client.close()
+
+
+def ids_of(entry: StreamEntry) -> dict[str, Any]:
+    return {"id": entry.id, "x": torch.tensor([float(entry.fields["x"])])}
+
+
+async def test_entries_arrive_in_order_and_are_acknowledged(redis_url: str) -> None:
+    stream = f"s-{uuid.uuid4().hex}"
+    ids = produce(redis_url, stream, 100)
+    async with (
+        RedisStreamSource(
+            redis_url, stream, "g", "c", count=32, block_s=0.05, stop_after_idle_s=0.3
+        ) as src,
+        AsyncDataLoader(src, batch_size=8, num_workers=1, transform=ids_of) as loader,
+    ):
+        first: list[list[str]] = []
+        async with asyncio.timeout(60):
+            async for batch in loader:  # leave after two: the second is not acknowledged
+                first.append(list(batch["id"]))
+                if len(first) == 2:
+                    break
+            # Same consumer name, next epoch: its own pending entries come first, in order.
+            second = [i async for b in loader for i in b["id"]]
+    assert first[0] == ids[:8]
+    assert second == ids[8:]
+    assert pending(redis_url, stream, "g") == 0
+
+
+async def test_a_killed_consumer_loses_nothing_and_acks_only_what_it_trained(
+    redis_url: str, tmp_path: Path
+) -> None:
+    stream = f"s-{uuid.uuid4().hex}"
+    ids = produce(redis_url, stream, 300)
+    # Consumer "a", a process of its own: trains on 5 batches, gets stuck in the 5th training
+    # step with more entries read ahead, and is SIGKILLed there.
+    log_a = tmp_path / "a.log"
+    a = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "tests.redis_consumer", redis_url, stream, "a", str(log_a)),
+        *("--hang-after", "5"),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        async with asyncio.timeout(90):
+            while not (log_a.exists() and log_a.read_text().count("D ") >= 5):
+                assert a.returncode is None, "the first consumer exited early"
+                await asyncio.sleep(0.05)
+    finally:
+        a.send_signal(signal.SIGKILL)
+        await a.wait()
+
+    # Consumer "b" (here): another name, so what "a" read comes to it through XAUTOCLAIM.
+    batches_b: list[list[str]] = []
+    acks_b: list[list[str]] = []
+
+    class Logged(RedisStreamSource):
+        async def ack(self, samples: list[StreamEntry]) -> None:
+            await super().ack(samples)
+            acks_b.append([s.id for s in samples])
+
+    src = Logged(
+        redis_url,
+        stream,
+        "trainers",
+        "b",
+        count=32,
+        block_s=0.05,
+        claim_idle_s=0.3,
+        claim_every_s=0.2,
+        stop_after_idle_s=1.0,
+    )
+    async with (
+        src,
+        AsyncDataLoader(
+            src, batch_size=16, num_workers=1, max_batch_latency=0.05, transform=to_sample
+        ) as loader,
+    ):
+        async with asyncio.timeout(60):
+            async for batch in loader:
+                batches_b.append(list(batch["id"]))
+
+    batches_a: list[list[str]] = []
+    acks_a: list[list[str]] = []
+    for line in log_a.read_text().splitlines():
+        kind, *entry_ids = line.split()
+        if kind == "A":
+            # Acknowledged only after it was trained on, in order.
+            assert entry_ids == batches_a[len(acks_a)]
+            acks_a.append(entry_ids)
+        else:
+            batches_a.append(entry_ids)
+    # Killed mid-stream: 5 batches trained on, the 5th never finished, so never acknowledged.
+    assert len(batches_a) == 5 and acks_a == batches_a[:4]
+    assert acks_b == batches_b
+    trained_a, acked_a = {i for b in batches_a for i in b}, {i for b in acks_a for i in b}
+    trained_b, acked_b = {i for b in batches_b for i in b}, {i for b in acks_b for i in b}
+    assert trained_a | trained_b == set(ids)  # everything trained on at least once
+    assert acked_a | acked_b == set(ids)
+    assert trained_a - acked_a <= trained_b  # what a trained but never acked: claimed by b
+    assert pending(redis_url, stream, "trainers") == 0
+
+
+class Unacked(RedisStreamSource):
+    ack = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("acked", [True, False], ids=["ack-fails", "read-fails"])
+async def test_a_server_that_goes_away_is_an_error_not_a_hang(acked: bool) -> None:
+    server = _server()
+    try:
+        produce(server.url, "s", 40)
+        cls = RedisStreamSource if acked else Unacked
+        src = cls(server.url, "s", "g", "c", count=8, block_s=0.05)
+        async with src, AsyncDataLoader(src, batch_size=4, num_workers=1, transform=ids_of) as ld:
+            it = aiter(ld)
+            async with asyncio.timeout(60):
+                await anext(it)
+                server.stop()
+                with pytest.raises(redis.RedisError) as info:
+                    for _ in range(100):
+                        await anext(it)
+    finally:
+        server.stop()
+    assert any("Redis stream 's'" in note for note in info.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"count": 0}, {"block_s": 0}, {"claim_idle_s": -1}, {"stop_after_idle_s": 0}],
+    ids=["count", "block", "claim", "idle"],
+)
+def test_bad_source_arguments_say_what_is_wrong(kwargs: dict[str, Any]) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        RedisStreamSource("redis://127.0.0.1:1/0", "s", "g", "c", **kwargs)
