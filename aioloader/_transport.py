@@ -61,7 +61,9 @@ __all__ = (
 #: on 2 cores, 2 workers, one tensor per batch (batches/s, inline vs shared memory):
 #: 16 KiB 3500 vs 1500, 64 KiB 3100 vs 1560, 256 KiB 2200 vs 1340, 384 KiB 1280 vs 1060,
 #: 512 KiB 870 vs 1140, 1 MiB 650 vs 1540. The descriptor hand-over of a segment costs more than
-#: copying up to ~400 KiB; 256 KiB keeps a margin below that crossover.
+#: copying up to ~400 KiB; 256 KiB keeps a margin below that crossover. (Measured when every
+#: descriptor took a connection to the worker; with FdChannel the crossover is likely lower, not
+#: re-measured.)
 INLINE_TENSOR_BYTES = 256 * 1024
 
 #: Dataset tensors at least this large are shared with the workers instead of pickled by value.
