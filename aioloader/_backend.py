@@ -14,7 +14,16 @@ The scheduler, the recovery and the consumer know a backend only through :class:
   :meth:`kill_sync` release everything.
 
 Process workers are :class:`~aioloader._executor.WorkerPool`; :class:`ThreadBackend` below loads
-batches on one thread of this process.
+batches on one thread of this process (``num_workers=0``);
+:class:`~aioloader._threadworkers.ThreadWorkers` runs ``num_workers`` worker threads
+(``executor="thread"``), and :class:`~aioloader.ray.RayPool` one Ray actor per worker. A crash of
+a backend that has no processes (a Ray actor) takes the same path: its futures fail with
+``BrokenProcessPool``, its sentinel is any fd that becomes readable on the death (a pipe), and
+``crash_report`` names the worker and the batch it held.
+
+An executor other than processes and threads is a :class:`Launcher` passed as
+``AsyncDataLoader(executor=...)``: it checks the loader's arguments and starts a backend from the
+worker spec and the objects every worker needs.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from . import _worker
 from ._executor import CrashReport
 from ._threads import run_off_loop
 
-__all__ = ("Backend", "Direct", "ThreadBackend")
+__all__ = ("Backend", "Direct", "Launcher", "ThreadBackend")
 
 
 class Backend(Protocol):
@@ -57,6 +66,24 @@ class Backend(Protocol):
     async def shutdown(self, *, graceful: bool) -> None: ...
 
     def kill_sync(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """Starts a backend of another kind (``AsyncDataLoader(executor=launcher)``)."""
+
+    #: Names the executor in the loader's error messages.
+    name: str
+
+    def validate(self, *, num_workers: int, multiprocessing_context: Any) -> None:
+        """Raise ``ValueError`` for loader arguments that make no sense with this executor."""
+        ...
+
+    async def start(
+        self, spec: _worker.WorkerSpec, objects: tuple[Any, Any, Any], pinned: bool
+    ) -> Backend:
+        """Start ``spec.num_workers`` workers over ``objects`` (dataset, collate_fn,
+        worker_init_fn); ``pinned``: tasks name their worker (round-robin), else any one does."""
+        ...
 
 
 class Direct:

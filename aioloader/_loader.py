@@ -35,7 +35,7 @@ from typing_extensions import TypeVar
 from . import _resume as resume
 from . import _transport, _worker
 from ._attrs import TorchAttributes
-from ._backend import Backend, ThreadBackend
+from ._backend import Backend, Launcher, ThreadBackend
 from ._bridge import SyncDataLoader
 from ._device import DeviceStage
 from ._epoch import Epoch
@@ -44,6 +44,7 @@ from ._executor import WorkerPool
 from ._phase import Phase
 from ._resume import Position, Progress, Start
 from ._stream import StreamInput, check_latency, source_kind
+from ._threadworkers import ThreadWorkers
 
 __all__ = ("AsyncDataLoader", "AsyncMapDataset", "LoaderStats")
 
@@ -103,9 +104,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             ``None`` or ``"cpu"`` keeps batches on the host.
         device_prefetch: Batches kept ready on the device (or pinned) ahead of the consumer, so
             the copy of the next batch overlaps the compute on this one.
-        worker_nice: Niceness added to each worker process (0-19). Workers run at a lower CPU
-            priority than the process that runs the event loop, so on a busy machine the loop
-            (and the training step) wake promptly; 0 keeps torch's equal priority.
+        worker_nice: Niceness added to each worker process (0-19; default 5). Workers run at a
+            lower CPU priority than the process that runs the event loop, so on a busy machine
+            the loop (and the training step) wake promptly; 0 keeps torch's equal priority.
+            Worker processes only.
         max_worker_restarts: Worker pools the loader may replace per epoch after a worker process
             dies; the batches in flight are resubmitted, so no sample is lost or repeated.
             0 fails at the first crash, as torch does. An index batch that kills its worker twice
@@ -121,6 +123,12 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             ``world_size``. Default: ``torch.distributed``'s when it is initialised, else 0.
         world_size: The number of data-parallel processes, shown to workers as
             ``get_worker_info().world_size``. Default: ``torch.distributed``'s, else 1.
+        executor: How the ``num_workers`` workers run (see docs/backends.md). ``"process"``
+            (default): worker processes, as torch. ``"thread"``: worker threads of this process,
+            each with its own ``get_worker_info()``, for work that releases the GIL; the dataset
+            is shared, not copied, and must be thread-safe. ``aioloader.ray.RayWorkers(...)``:
+            one Ray actor per worker, anywhere in a Ray cluster. ``num_workers=0`` loads in this
+            process whatever the executor.
         transform: Async sources only: a picklable callable applied to each sample in the
             workers (or the ``num_workers=0`` thread) before ``collate_fn``.
         max_batch_latency: Async iterable sources only: seconds after a batch's first sample
@@ -168,13 +176,14 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
         max_worker_restarts: int = 3,
-        worker_nice: int = 5,
+        worker_nice: int | None = None,
         seeding: Literal["worker", "batch"] = "worker",
         rank: int | None = None,
         world_size: int | None = None,
         transform: Callable[[Any], Any] | None = None,
         max_batch_latency: float | None = None,
         source_concurrency: int = 16,
+        executor: str | Launcher = "process",
     ) -> None:
         stream = _stream_input(
             dataset,
@@ -218,6 +227,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 f"of batches each worker loads ahead), got {pf!r}"
             )
         _check_int("max_worker_restarts", max_worker_restarts, 0, None, "a non-negative int")
+        _check_executor(executor, num_workers, multiprocessing_context, worker_nice)
+        self.executor = executor
+        if worker_nice is None:
+            worker_nice = 5
         _check_int(
             "worker_nice", worker_nice, 0, 19, "an int from 0 (the main process's priority) to 19"
         )
@@ -275,7 +288,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         # release its workers) while the loader lives on.
         self._epochs: weakref.WeakSet[Epoch] = weakref.WeakSet()
         self._closing: asyncio.Task[None] | None = None
-        self._persistent_pool: WorkerPool | None = None
+        self._persistent_pool: Backend | None = None
         # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
         self._persistent_pool_busy = False
         self._persistent_seed: int | None = None
@@ -672,13 +685,18 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         ctx = self.multiprocessing_context
         return ctx if ctx is not None else multiprocessing.get_context()
 
-    def _make_spec(self, base_seed: int) -> _worker.WorkerSpec:
-        """Runs in: a helper thread (pickling a large dataset takes a while)."""
+    def _make_spec(self, base_seed: int, *, ship: bool = True) -> _worker.WorkerSpec:
+        """Runs in: a helper thread (pickling a large dataset takes a while).
+
+        ``ship=False``: the spec carries neither the objects nor a payload file (an executor
+        that moves them itself, such as Ray's object store).
+        """
         rank, world_size = self._rank_given or _distributed_rank()
-        ctx = self._mp_context()
         objects = (self._worker_dataset(), self.collate_fn, self.worker_init_fn)
         payload = None
-        if ctx.get_start_method() != "fork":
+        if not ship:
+            objects_or_none = None
+        elif self._mp_context().get_start_method() != "fork":
             payload = _transport.dump_payload(objects)
             objects_or_none = None
         else:
@@ -705,10 +723,34 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             return _worker.SampleCollator(self.transform)
         return self.dataset
 
-    async def _new_pool(self, base_seed: int) -> WorkerPool:
-        return await WorkerPool.start(
-            functools.partial(self._make_spec, base_seed), self._mp_context(), self._pinned_workers
-        )
+    async def _new_pool(self, base_seed: int) -> Backend:
+        """Start a set of ``num_workers`` workers of the loader's executor."""
+        executor = self.executor
+        if executor == "process":
+            return await WorkerPool.start(
+                functools.partial(self._make_spec, base_seed),
+                self._mp_context(),
+                self._pinned_workers,
+            )
+        if executor == "thread":
+            rank, world_size = self._rank_given or _distributed_rank()
+            return ThreadWorkers(
+                dataset=self._worker_dataset(),
+                rank=rank,
+                world_size=world_size,
+                num_workers=self.num_workers,
+                base_seed=base_seed,
+                is_iterable=self._is_iterable,
+                auto_collation=self.batch_sampler is not None,
+                collate_fn=self.collate_fn,
+                drop_last=self.drop_last,
+                worker_init_fn=self.worker_init_fn,
+                pinned=self._pinned_workers,
+            )
+        assert not isinstance(executor, str)
+        spec = self._make_spec(base_seed, ship=False)
+        objects = (self._worker_dataset(), self.collate_fn, self.worker_init_fn)
+        return await executor.start(spec, objects, self._pinned_workers)
 
     async def _acquire_backend(self, epoch: Epoch) -> tuple[Backend, bool]:
         """(backend, owned by the epoch). Persistent workers: the loader's pool, started once."""
@@ -734,7 +776,6 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
     def _backend_replaced(self, old: Backend, new: Backend) -> None:
         """Crash recovery replaced ``old``: a persistent pool is now ``new``."""
         if self._persistent_pool is old:
-            assert isinstance(new, WorkerPool)
             self._persistent_pool = new
 
     def _persistent_pool_kept(self, *, busy: bool) -> None:
@@ -813,6 +854,47 @@ async def _next(iterator: _EpochIterator[Any], step: Coroutine[Any, Any, Any]) -
         return await step
     finally:
         del iterator
+
+
+_EXECUTORS = ("process", "thread")
+
+
+def _check_executor(
+    executor: object, num_workers: int, multiprocessing_context: object, worker_nice: object
+) -> None:
+    """Reject an unknown executor, and arguments that only mean something for processes."""
+    if isinstance(executor, str):
+        if executor not in _EXECUTORS:
+            raise ValueError(
+                f"executor should be 'process', 'thread' or aioloader.ray.RayWorkers(...), "
+                f"got {executor!r}"
+            )
+        name = executor
+    elif callable(getattr(executor, "start", None)) and callable(
+        getattr(executor, "validate", None)
+    ):
+        name = str(getattr(executor, "name", type(executor).__name__))
+        executor.validate(  # type: ignore[attr-defined]
+            num_workers=num_workers, multiprocessing_context=multiprocessing_context
+        )
+    else:
+        raise TypeError(
+            "executor should be 'process', 'thread' or an executor object such as "
+            f"aioloader.ray.RayWorkers(...), got {type(executor).__name__}"
+        )
+    if name == "process":
+        return
+    if multiprocessing_context is not None and num_workers > 0:
+        raise ValueError(
+            f"multiprocessing_context chooses how worker processes start; executor={name!r} "
+            "starts no worker processes: drop multiprocessing_context (or use "
+            "executor='process')"
+        )
+    if worker_nice is not None and num_workers > 0:
+        raise ValueError(
+            f"worker_nice sets the priority of worker processes; executor={name!r} has none: "
+            "drop worker_nice (or use executor='process')"
+        )
 
 
 def _stream_input(

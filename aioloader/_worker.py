@@ -341,6 +341,28 @@ def _default_collate_small_inline(batch: Any) -> Any:
     return torch_collate.collate(batch, collate_fn_map=_COLLATE_FN_MAP)
 
 
+def _collate_tensors_no_shm(
+    batch: list[torch.Tensor], *, collate_fn_map: Any = None
+) -> torch.Tensor:
+    saved = torch_worker._worker_info
+    torch_worker._worker_info = None  # a Ray actor process runs no other thread that reads it
+    try:
+        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
+    finally:
+        torch_worker._worker_info = saved
+
+
+_COLLATE_NO_SHM_MAP = {
+    **torch_collate.default_collate_fn_map,
+    torch.Tensor: _collate_tensors_no_shm,
+}
+
+
+def _default_collate_no_shm(batch: Any) -> Any:
+    """``default_collate`` as outside a worker: no batch in shared memory (Ray actors)."""
+    return torch_collate.collate(batch, collate_fn_map=_COLLATE_NO_SHM_MAP)
+
+
 def init(
     spec: WorkerSpec,
     id_counter: Any,
@@ -376,16 +398,36 @@ def init(
     pid_slots[worker_id] = os.getpid()
     if channels is not None:
         _transport.set_worker_channel(channels[worker_id])
-    _state.worker_id = worker_id
-    _state.spec = spec
     _state.slots = slots
     _state.epoch_slots = epoch_slots
-    try:
+
+    def objects() -> tuple[Any, Any, Any]:
         if spec.objects is not None:
-            dataset, collate_fn, worker_init_fn = spec.objects
-        else:
-            assert spec.payload_file is not None
-            dataset, collate_fn, worker_init_fn = _transport.load_payload(*spec.payload_file)
+            return spec.objects
+        assert spec.payload_file is not None
+        return _transport.load_payload(*spec.payload_file)  # type: ignore[no-any-return]
+
+    setup(spec, worker_id, objects)
+
+
+def setup(
+    spec: WorkerSpec,
+    worker_id: int,
+    objects: Any,
+    *,
+    shm_collate: bool = True,
+) -> None:
+    """This process's worker state: seeds, ``WorkerInfo``, ``worker_init_fn``. Never raises.
+
+    Shared by process workers (:func:`init`) and Ray actors. ``objects()`` returns the dataset,
+    ``collate_fn`` and ``worker_init_fn``. ``shm_collate=False``: ``default_collate`` never
+    builds batches in shared memory (a Ray actor's results travel through Ray's object store).
+    A failure is stored and reported by every later fetch (see :func:`init`).
+    """
+    _state.worker_id = worker_id
+    _state.spec = spec
+    try:
+        dataset, collate_fn, worker_init_fn = objects()
         seed = spec.base_seed + worker_id
         random.seed(seed)
         torch.manual_seed(seed)
@@ -405,7 +447,7 @@ def init(
         )
         _state.dataset = dataset
         if collate_fn is torch_collate.default_collate:
-            collate_fn = _default_collate_small_inline
+            collate_fn = _default_collate_small_inline if shm_collate else _default_collate_no_shm
         _state.collate_fn = collate_fn
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
@@ -419,6 +461,14 @@ def init(
 
 def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
     """Load and collate one batch (or collate :class:`Samples`). Runs in: a worker process."""
+    # Tagged: large tensors' descriptors go ahead on this worker's channel (see _transport).
+    return load(
+        send_idx, indices, epoch, lambda batch: _transport.dumps_result(batch, (epoch, send_idx))
+    )
+
+
+def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
+    """Load and collate one batch; ``encode(batch)`` becomes ``Result.data``. Never raises."""
     start = time.perf_counter()
     wid = _state.worker_id
     if _state.init_error is not None:
@@ -466,7 +516,7 @@ def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
         else:
             batch = _state.fetcher.fetch(indices)
         try:
-            data: bytes | RemoteError = _transport.dumps_result(batch, (epoch, send_idx))
+            data: object = encode(batch)
         except Exception as exc:
             exc.add_note(
                 f"aioloader: the batch loaded for send_idx={send_idx} cannot be pickled to send it "

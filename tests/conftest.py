@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -165,3 +166,160 @@ async def collect(loader: object, limit: float = 60) -> list[object]:
     """Drain one epoch of ``loader`` within ``limit`` seconds."""
     async with asyncio.timeout(limit):
         return [b async for b in loader]  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------------------------
+# Executors: the core behaviour tests run against every backend through the `executor` fixture.
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ray_cli() -> str:
+    import shutil
+    import sys
+
+    here = os.path.join(os.path.dirname(sys.executable), "ray")
+    found = here if os.path.exists(here) else shutil.which("ray")
+    if found is None:
+        pytest.skip("the `ray` command is not installed next to this Python")
+    return found
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """A local 2-CPU Ray cluster shared by every Ray test, connected as an existing cluster.
+
+    Started with `ray start` rather than `ray.init()`: its processes then belong to no process of
+    the test run (they are reparented), so the leak checks of the other tests do not see Ray's
+    worker pool come and go. Stopped at the end of the session by killing the processes that use
+    its own temporary directory (`ray stop` would stop every cluster on the machine).
+    """
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'aioloader[ray]'")
+    import shutil
+    import subprocess
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="aioray-", dir="/tmp")  # short: Ray's socket paths are limited
+    port = _free_port()
+    # A throw-away cluster on the loopback interface: no token to hand between the processes.
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    # The actors import the tests' datasets by name, as spawned workers do.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+    cmd = [
+        _ray_cli(),
+        "start",
+        "--head",
+        f"--port={port}",
+        "--num-cpus=2",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
+        f"--temp-dir={tmp}",
+    ]
+    saved_auth = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        yield
+    finally:
+        if saved_auth is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved_auth
+        if ray.is_initialized():
+            ray.shutdown()
+        _kill_matching(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kill_matching(text: str) -> None:
+    """SIGTERM, then SIGKILL, every process whose command line mentions ``text``."""
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(text in part for part in (p.info["cmdline"] or [])):
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
+def live_loader_actors() -> list[str]:
+    """Ids of the loader's Ray actors that Ray's actor table does not list as DEAD."""
+    from ray._private import state as ray_state
+
+    return [
+        aid
+        for aid, info in ray_state.actors().items()
+        if info.get("State") != "DEAD" and "_Actor" in str(info.get("ActorClassName", ""))
+    ]
+
+
+def _loader_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("aioloader")]
+
+
+EXECUTORS = [
+    pytest.param("process", id="process"),
+    pytest.param("thread", id="thread"),
+    # Ray keeps threads and connections of its own in this process, created as it needs them:
+    # the generic leak check is replaced by the one below (no actor, no loader thread left).
+    pytest.param("ray", id="ray", marks=pytest.mark.allow_leaks),
+]
+
+
+@pytest.fixture(params=EXECUTORS)
+def executor(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """``executor=`` for AsyncDataLoader: each core behaviour test runs on every backend."""
+    if request.param != "ray":
+        yield request.param
+        return
+    request.getfixturevalue("ray_cluster")
+    from aioloader.ray import RayWorkers
+
+    # No CPU reservation: a replacement set may start while Ray still accounts for the old one.
+    yield RayWorkers(num_cpus=0)
+    deadline = time.monotonic() + 30
+    while (live_loader_actors() or _loader_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live_loader_actors(), "a Ray actor of the loader outlived the test"
+    assert not _loader_threads(), f"loader threads left: {_loader_threads()}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Ray's parameter is slow unless the test is marked ``ray_default``; Ray tests run last.
+
+    Every Ray actor is a fresh interpreter importing torch (seconds each on 2 cores): the default
+    run keeps the few Ray cases that cover order, errors and recovery; ``-m slow`` runs them all.
+    """
+
+    def on_ray(item: pytest.Item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("executor") == "ray":
+            return True
+        return "ray_cluster" in getattr(item, "fixturenames", ())
+
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        is_ray_case = callspec is not None and callspec.params.get("executor") == "ray"
+        if is_ray_case and item.get_closest_marker("ray_default") is None:
+            item.add_marker(pytest.mark.slow)
+    # Ray tests last: once Ray is connected it keeps threads and sockets of its own in this
+    # process, which no other test's leak check should have to tell from the loader's.
+    items.sort(key=on_ray)  # stable: the order is otherwise unchanged

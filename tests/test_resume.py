@@ -417,6 +417,7 @@ async def test_iterable_resumes_per_worker(dataset: Any, workers: int) -> None:
         await round_trip(make, k)
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 > 2 cores
 async def test_iterable_resume_after_a_worker_ran_dry() -> None:
     """Shards of 4, 3 and 3 samples in batches of 3: workers 1 and 2 run dry first."""
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from aioloader.benchmark import backends
 from aioloader.benchmark._harness import (
     AIO,
     SPDL,
@@ -53,6 +54,8 @@ WORKLOADS = (
     "resume",
     "stream",
 )
+#: Run only when named: ``backends`` compares the executors (and starts a local Ray cluster).
+OPTIONAL_WORKLOADS = ("backends",)
 
 
 BENCHES: dict[str, Callable[[Config], list[Row]]] = {
@@ -67,6 +70,7 @@ BENCHES: dict[str, Callable[[Config], list[Row]]] = {
     "resume": bench_resume,
     "stream": bench_stream,
     "dataset": bench_dataset,
+    "backends": backends.bench_backends,
 }
 
 
@@ -81,7 +85,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--workload",
         action="append",
         default=[],
-        help=f"workload(s) to run, repeatable or comma list: {', '.join(WORKLOADS)}",
+        help=(
+            f"workload(s) to run, repeatable or comma list: {', '.join(WORKLOADS)} "
+            f"(default: all of them); also {', '.join(OPTIONAL_WORKLOADS)}"
+        ),
     )
     p.add_argument("--quick", action="store_true", help="shorter rounds; suite under 1 minute")
     p.add_argument("--json", metavar="PATH", help="write raw rounds, medians and machine info")
@@ -104,7 +111,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     names = names or list(WORKLOADS)
     unknown = [n for n in names if n not in BENCHES or (n == "dataset" and not args.dataset)]
     if unknown:
-        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+        choices = ", ".join(WORKLOADS + OPTIONAL_WORKLOADS)
+        p.error(f"unknown workload(s) {unknown}; choose from {choices}")
     if args.rounds < 3:
         p.error("--rounds must be at least 3")
     if args.workers < 1:
@@ -137,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.names:
         progress(f"workload {name}")
         rows += BENCHES[name](cfg)
+    # Workloads that compare more loaders (the executors) add their columns.
+    extra = [c for c in backends.COLUMNS if any(c in r.rounds for r in rows)]
+    loaders = loaders + extra
     table = format_table(rows, loaders)
     print(table)
     elapsed = time.perf_counter() - started
