@@ -27,7 +27,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from . import _worker
+from . import _transport, _worker
 from ._procpool import Executor, kill_executors
 from ._threads import run_off_loop
 
@@ -133,6 +133,12 @@ class WorkerPool:
         self._epoch_slots: Any = ctx.RawArray(ctypes.c_longlong, [-1] * self.num_workers)
         # One slot per worker id: its pid, written by the worker at start-up.
         self._pid_slots: Any = ctx.RawArray(ctypes.c_longlong, [0] * self.num_workers)
+        # One per worker id: large tensors' descriptors travel with the results, not through a
+        # connection from the main process to each worker per batch (see _transport).
+        self._channels = [
+            _transport.FdChannel(ctx.RawArray(ctypes.c_ubyte, _transport.POOL_SLOTS))
+            for _ in range(self.num_workers)
+        ]
         self._closed = False
         self._owns_payload = True
         # Serialises _shutdown_sync/_kill_sync: a second caller (another thread) waits until the
@@ -207,6 +213,8 @@ class WorkerPool:
         # took its inventory (unwatched, and a crash blamed on the wrong worker).
         for ex in self._executors:
             ex.start_workers()
+        for ch in self._channels:
+            ch.close_worker_end()  # each worker holds its own copy now
         self._capture_internals()
         _logger.debug(
             "started %d workers (%s) in %.3fs",
@@ -220,7 +228,14 @@ class WorkerPool:
             max_workers=n,
             mp_context=self._ctx,
             initializer=_worker.init,
-            initargs=(spec, counter, self._slots, self._epoch_slots, self._pid_slots),
+            initargs=(
+                spec,
+                counter,
+                self._slots,
+                self._epoch_slots,
+                self._pid_slots,
+                self._channels,
+            ),
         )
 
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
@@ -360,3 +375,5 @@ class WorkerPool:
             self._stopped = True
             self._closed = True
             self._remove_payload()
+            for ch in self._channels:
+                ch.close()

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -313,10 +314,16 @@ def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -
     Inside a worker torch's ``collate_tensor_fn`` allocates every stacked batch in a fresh
     shared-memory segment. A small batch is copied into the result bytes anyway
     (:data:`~aioloader._transport.INLINE_TENSOR_BYTES`), so the segment is pure cost; for those
-    torch's function runs as it would outside a worker. Large batches are untouched.
+    torch's function runs as it would outside a worker. Large batches go into one of the worker's
+    reused buffers when one is free (see :func:`~aioloader._transport.collate_into_pool`), else
+    into a fresh segment as torch does.
     """
     elem = batch[0]
     if sum(x.numel() for x in batch) * elem.element_size() >= _transport.INLINE_TENSOR_BYTES:
+        if all(x.shape == elem.shape and x.dtype == elem.dtype for x in batch):
+            pooled = _transport.collate_into_pool(batch)
+            if pooled is not None:
+                return pooled
         return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
     saved = torch_worker._worker_info
     torch_worker._worker_info = None  # this process runs no other thread that reads it
@@ -356,7 +363,14 @@ def _default_collate_no_shm(batch: Any) -> Any:
     return torch_collate.collate(batch, collate_fn_map=_COLLATE_NO_SHM_MAP)
 
 
-def init(spec: WorkerSpec, id_counter: Any, slots: Any, epoch_slots: Any, pid_slots: Any) -> None:
+def init(
+    spec: WorkerSpec,
+    id_counter: Any,
+    slots: Any,
+    epoch_slots: Any,
+    pid_slots: Any,
+    channels: Sequence[_transport.FdChannel] | None = None,
+) -> None:
     """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
 
     A failure (any ``BaseException`` from user code, ``SystemExit`` included) is stored and
@@ -382,6 +396,8 @@ def init(spec: WorkerSpec, id_counter: Any, slots: Any, epoch_slots: Any, pid_sl
             worker_id = id_counter.value
             id_counter.value += 1
     pid_slots[worker_id] = os.getpid()
+    if channels is not None:
+        _transport.set_worker_channel(channels[worker_id])
     _state.slots = slots
     _state.epoch_slots = epoch_slots
 
@@ -445,7 +461,10 @@ def setup(
 
 def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
     """Load and collate one batch (or collate :class:`Samples`). Runs in: a worker process."""
-    return load(send_idx, indices, epoch, _transport.dumps_result)
+    # Tagged: large tensors' descriptors go ahead on this worker's channel (see _transport).
+    return load(
+        send_idx, indices, epoch, lambda batch: _transport.dumps_result(batch, (epoch, send_idx))
+    )
 
 
 def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
@@ -514,6 +533,7 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
             with contextlib.suppress(Exception):
                 state = capture_state(_state.fetcher, _state.dataset)
     finally:
+        _transport.release_unsent()
         if slots is not None:
             slots[wid] = -1
     return Result(send_idx, epoch, wid, os.getpid(), data, time.perf_counter() - start, state)

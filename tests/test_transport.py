@@ -1,0 +1,250 @@
+"""Results' shared-memory descriptors travel in-band on each worker's FdChannel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from aioloader import AsyncDataLoader, _transport
+from tests import datasets
+
+BIG = (256, 512)  # 512 KiB of float32: above INLINE_TENSOR_BYTES, so it goes through shm
+
+
+@pytest.fixture
+def channel() -> Iterator[_transport.FdChannel]:
+    """This process plays the worker: dumps_result sends on the channel, loads_result takes."""
+    ch = _transport.FdChannel()
+    _transport.set_worker_channel(ch)
+    try:
+        yield ch
+    finally:
+        _transport.set_worker_channel(None)
+        ch.close()
+
+
+@pytest.fixture
+def channel_takes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The tags of the results whose descriptors were taken from a channel."""
+    calls: list[tuple[int, int]] = []
+    orig = _transport.FdChannel.take
+
+    def counting(self: _transport.FdChannel, tag: tuple[int, int]) -> list[int]:
+        calls.append(tag)
+        return orig(self, tag)
+
+    monkeypatch.setattr(_transport.FdChannel, "take", counting)
+    return calls
+
+
+def test_views_of_one_storage_arrive_as_views_of_one_storage(
+    channel: _transport.FdChannel, channel_takes: list[tuple[int, int]]
+) -> None:
+    base = torch.arange(float(BIG[0] * BIG[1])).reshape(BIG)
+    batch = {"a": base, "b": base[3:], "t": base.t(), "x": [base[:, 1:], 7]}
+    out = _transport.loads_result(_transport.dumps_result(batch, (0, 1)))
+    assert channel_takes == [(0, 1)]  # one message for the batch
+    for key in ("a", "b", "t"):
+        assert torch.equal(out[key], batch[key])
+        assert out[key].stride() == batch[key].stride()
+        assert out[key].is_shared()
+    assert torch.equal(out["x"][0], base[:, 1:]) and out["x"][1] == 7
+    ptrs = {t.untyped_storage().data_ptr() for t in (out["a"], out["b"], out["t"], out["x"][0])}
+    assert len(ptrs) == 1  # one storage, as in the worker, not four copies
+    out["a"][3, 0] = -1.0
+    assert out["b"][0, 0].item() == -1.0
+
+
+def test_results_unpickled_out_of_order_each_get_their_own_descriptors(
+    channel: _transport.FdChannel,
+) -> None:
+    sent = [
+        (tag, _transport.dumps_result(torch.full(BIG, float(tag[1])), tag))
+        for tag in [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ]
+    for tag, data in reversed(sent):
+        assert _transport.loads_result(data)[0, 0].item() == float(tag[1])
+
+
+def test_a_result_whose_descriptors_never_came_is_an_oserror(
+    channel: _transport.FdChannel,
+) -> None:
+    data = _transport.dumps_result(torch.zeros(BIG), (0, 5))
+    taken = channel.take((0, 5))  # someone else took them
+    assert len(taken) == 1
+    _transport._close_all(taken)
+    with pytest.raises(OSError) as info:
+        _transport.loads_result(data)
+    assert info.value.errno == errno.ENOENT
+
+
+def _shm_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # listdir's own descriptor, closed by now
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
+    return n
+
+
+def test_unclaimed_descriptors_are_closed_with_the_channel() -> None:
+    before = _shm_fds()
+    ch = _transport.FdChannel()
+    _transport.set_worker_channel(ch)
+    try:
+        kept = [torch.zeros(BIG) for _ in range(3)]
+        for i, t in enumerate(kept):
+            _transport.dumps_result(t, (0, i))
+        del kept, t
+        # The worker's side keeps nothing once a result is sent: its descriptors are in flight.
+        assert _shm_fds() == before
+        # Reads past (0, 0) and (0, 1): those are kept for their results.
+        _transport._close_all(ch.take((0, 2)))
+        assert ch._npending == 2
+        assert _shm_fds() == before + 2
+    finally:
+        _transport.set_worker_channel(None)
+        ch.close()
+    assert _shm_fds() == before
+
+
+def test_a_closed_channel_falls_back_to_torchs_descriptor_sharing(
+    channel: _transport.FdChannel, channel_takes: list[tuple[int, int]]
+) -> None:
+    channel.main_end.close()  # the worker's send fails: nothing may be lost
+    t = torch.arange(float(BIG[0] * BIG[1])).reshape(BIG)
+    out = _transport.loads_result(_transport.dumps_result(t, (0, 0)))
+    assert torch.equal(out, t)
+    assert channel_takes == []
+
+
+def test_conjugated_and_negated_large_views_arrive_with_their_values(
+    channel: _transport.FdChannel,
+) -> None:
+    z = torch.complex(torch.ones(BIG), torch.arange(float(BIG[1])).expand(BIG).contiguous())
+    batch = [z.conj(), torch._neg_view(z)]  # lazy views: raw memory holds the unflipped values
+    out = _transport.loads_result(_transport.dumps_result(batch, (0, 0)))
+    assert torch.equal(out[0].resolve_conj(), z.conj().resolve_conj())
+    assert torch.equal(out[1].resolve_neg(), (-z))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+async def test_workers_send_large_batches_on_their_channel(
+    method: str, channel_takes: list[tuple[int, int]]
+) -> None:
+    ds = datasets.BigDataset(32, (3, 128, 128))  # 192 KiB samples, 768 KiB batches
+    async with asyncio.timeout(120):
+        async with AsyncDataLoader(
+            ds, batch_size=4, num_workers=2, multiprocessing_context=method
+        ) as loader:
+            got = [b async for b in loader]
+    assert len(channel_takes) == 8  # every batch, none through torch's round trip
+    for i, b in enumerate(got):
+        assert b.is_shared()
+        assert b[:, 0, 0, 0].tolist() == [float(4 * i + k) for k in range(4)]
+
+
+@pytest.fixture
+def pooled_slots(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pool buffer slot of every batch built in a worker's pool, in arrival order."""
+    calls: list[int] = []
+    orig = _transport.FdChannel.track_pooled
+
+    def recording(self: _transport.FdChannel, storage: torch.UntypedStorage, slot: int) -> None:
+        calls.append(slot)
+        orig(self, storage, slot)
+
+    monkeypatch.setattr(_transport.FdChannel, "track_pooled", recording)
+    return calls
+
+
+async def test_pool_buffers_are_reused_once_the_consumer_drops_the_batch(
+    pooled_slots: list[int],
+) -> None:
+    ds = datasets.BigDataset(80, (3, 128, 128))
+    async with asyncio.timeout(120):
+        async with AsyncDataLoader(ds, batch_size=4, num_workers=1) as loader:
+            firsts = [float(b[0, 0, 0, 0]) async for b in loader]
+    assert firsts == [float(4 * i) for i in range(20)]
+    # A batch finds no free buffer only while the consumer and the queue hold them all.
+    assert len(pooled_slots) > _transport.POOL_SLOTS
+    assert set(pooled_slots) <= set(range(_transport.POOL_SLOTS))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+async def test_a_pool_buffer_is_never_rewritten_while_a_view_of_it_lives(
+    method: str, pooled_slots: list[int]
+) -> None:
+    ds = datasets.BigDataset(120, (3, 128, 128))
+    kept: dict[int, torch.Tensor] = {}
+    async with asyncio.timeout(120):
+        async with AsyncDataLoader(
+            ds, batch_size=4, num_workers=2, multiprocessing_context=method
+        ) as loader:
+            async for i, b in _enumerate(loader):
+                # Each batch arrives whole although the consumer scribbled on earlier ones.
+                assert b[:, 0, 0, 0].tolist() == [float(4 * i + k) for k in range(4)]
+                if i in (0, 3, 7):
+                    kept[i] = b[1:, 2]  # a view: the batch itself is dropped at once
+                else:
+                    b.fill_(-1.0)
+                for j, view in kept.items():
+                    assert torch.equal(view, _expected_view(j)), (i, j)
+    assert len(kept) == 3
+    assert len(pooled_slots) > 2 * _transport.POOL_SLOTS  # buffers were reused meanwhile
+    for j, view in kept.items():
+        assert torch.equal(view, _expected_view(j))
+
+
+def _expected_view(j: int) -> torch.Tensor:
+    values = torch.tensor([4.0 * j + 1, 4.0 * j + 2, 4.0 * j + 3])
+    return values.view(3, 1, 1).expand(3, 128, 128)
+
+
+async def _enumerate(loader: AsyncDataLoader[torch.Tensor]) -> Any:
+    i = 0
+    async for b in loader:
+        yield i, b
+        i += 1
+
+
+SHM_SCRIPT = """
+import asyncio, os, signal
+import psutil
+from aioloader import AsyncDataLoader
+from tests import datasets
+
+async def main():
+    loader = AsyncDataLoader(datasets.BigDataset(400, (3, 128, 128)), batch_size=4, num_workers=2)
+    kept = []
+    async for b in loader:
+        kept.append(b)
+        if len(kept) == 12:
+            pids = [os.getpid()] + [c.pid for c in psutil.Process().children(recursive=True)]
+            print("PIDS", *pids, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+def test_nothing_is_left_in_dev_shm_when_the_process_is_killed() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", SHM_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PIDS ")]
+    assert lines and out.returncode == -9, out.stdout + out.stderr
+    pids = lines[0].split()[1:]
+    # torch names a segment after the process that made it (torch_<pid>_...) and unlinks it at
+    # once; /dev/shm is shared with every other process of the machine, so look for ours only.
+    ours = [f for f in os.listdir("/dev/shm") if any(f"_{pid}_" in f for pid in pids)]
+    assert ours == []
