@@ -153,7 +153,14 @@ async def train_with_aioloader(
     trainer: Trainer, dataset: Interactions, args: argparse.Namespace
 ) -> None:
     async with AsyncDataLoader(
-        dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        # A server has threads (the training step's, the HTTP library's): forking it can copy a
+        # lock another thread holds into a worker, which then never starts. forkserver forks
+        # from a clean single-threaded server process instead (Python 3.14's default on Linux).
+        multiprocessing_context=args.start_method,
     ) as loader:
         while True:
             async for batch in loader:
@@ -170,7 +177,13 @@ async def train_with_torch(
     trainer: Trainer, dataset: Interactions, args: argparse.Namespace
 ) -> None:
     """The baseline: torch's DataLoader, each ``next()`` on a thread so the loop stays free."""
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        multiprocessing_context=args.start_method,
+    )
     while True:
         it: Iterator[Any] = iter(loader)
         try:
@@ -274,6 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loader", choices=["aioloader", "torch", "none"], default="aioloader")
     p.add_argument("--train-step", choices=["thread", "loop"], default="thread")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--start-method", choices=["forkserver", "spawn", "fork"], default="forkserver")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--work-ms", type=float, default=0.3, help="CPU time per sample in a worker")
     p.add_argument(
