@@ -146,22 +146,14 @@ class ThreadBackend:
         if self._epoch != epoch:
             self._epoch = epoch
             self._fetcher = None
-            if self._kind == _DatasetKind.Iterable:
-                self._fetcher = _worker.iterable_fetcher(
-                    self._dataset,
-                    self._auto_collation,
-                    self._collate_fn,
-                    self._drop_last,
-                    extra.resume if extra is not None else None,
-                )
-            else:
-                self._fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
-                    self._kind,
-                    self._dataset,
-                    self._auto_collation,
-                    self._collate_fn,
-                    self._drop_last,
-                )
+            self._fetcher = _worker.make_fetcher(
+                self._kind == _DatasetKind.Iterable,
+                self._dataset,
+                self._auto_collation,
+                self._collate_fn,
+                self._drop_last,
+                extra.resume if extra is not None else None,
+            )
         state: Any = None
         try:
             if isinstance(indices, _worker.Samples):  # an async source's samples

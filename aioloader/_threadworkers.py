@@ -239,22 +239,14 @@ class ThreadWorkers:
                 # Iterables: a fresh iterator per epoch, as torch (and process workers) do.
                 state.epoch = epoch
                 state.fetcher = None
-                if iterable:
-                    state.fetcher = _worker.iterable_fetcher(
-                        self._dataset,
-                        self._auto_collation,
-                        self._collate_fn,
-                        self._drop_last,
-                        extra.resume if extra is not None else None,
-                    )
-                else:
-                    state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
-                        self._kind,
-                        self._dataset,
-                        self._auto_collation,
-                        self._collate_fn,
-                        self._drop_last,
-                    )
+                state.fetcher = _worker.make_fetcher(
+                    iterable,
+                    self._dataset,
+                    self._auto_collation,
+                    self._collate_fn,
+                    self._drop_last,
+                    extra.resume if extra is not None else None,
+                )
             try:
                 if isinstance(indices, _worker.Samples):  # an async source's samples
                     data = Direct(

@@ -218,10 +218,20 @@ def capture_state(fetcher: Any, dataset: Any) -> Any:
     return None
 
 
-def iterable_fetcher(
-    dataset: Any, auto_collation: bool, collate_fn: Any, drop_last: bool, resume: Any
+def make_fetcher(
+    iterable: bool,
+    dataset: Any,
+    auto_collation: bool,
+    collate_fn: Any,
+    drop_last: bool,
+    resume: Any = None,
 ) -> Any:
-    """torch's iterable fetcher, after loading ``resume`` (a :func:`capture_state` value)."""
+    """torch's fetcher for the dataset kind; an iterable one after loading ``resume`` (a
+    :func:`capture_state` value) into the dataset or into its new iterator."""
+    if not iterable:
+        return _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+            _DatasetKind.Map, dataset, auto_collation, collate_fn, drop_last
+        )
     if resume is not None and resume[0] == "dataset":
         dataset.load_state_dict(resume[1])  # before iter(): the new iterator starts from it
     fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
@@ -452,8 +462,8 @@ def setup(
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
         if not spec.is_iterable:
-            _state.fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
-                _DatasetKind.Map, dataset, spec.auto_collation, collate_fn, spec.drop_last
+            _state.fetcher = make_fetcher(
+                False, dataset, spec.auto_collation, collate_fn, spec.drop_last
             )
     except BaseException:  # SystemExit from user code too: this process must live on
         _state.init_error = RemoteError.capture(f"in DataLoader worker process {worker_id}")
@@ -497,7 +507,8 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
                 # A new epoch: a fresh iterator over this worker's replica, as torch does.
                 _state.epoch = epoch
                 _state.fetcher = None
-                _state.fetcher = iterable_fetcher(
+                _state.fetcher = make_fetcher(
+                    True,
                     _state.dataset,
                     spec.auto_collation,
                     _state.collate_fn,
