@@ -1002,7 +1002,9 @@ MAIN_SCRIPT = textwrap.dedent(
                     print("batch", b.tolist(), flush=True)
         except Exception as exc:
             if __name__ == "__main__":  # not in a spawned worker re-running this file
-                print("TOP-LEVEL ERROR:", type(exc).__name__, " | ".join(str(exc).splitlines()))
+                # One flushed write: workers write their own errors to the same pipe meanwhile.
+                print("TOP-LEVEL ERROR:", type(exc).__name__, " | ".join(str(exc).splitlines()),
+                      flush=True)
             raise
 
     asyncio.run(main())  # no `if __name__ == "__main__":` guard
@@ -1041,7 +1043,8 @@ def test_dataset_in_an_unguarded_main_module_under_spawn_fails_at_once_with_its_
     assert proc.returncode != 0, detail
     assert "restarting the workers" not in out, detail
     assert len(lines) < 100, detail
-    top = [line for line in lines if line.startswith("TOP-LEVEL ERROR:")]
+    # A worker's unfinished line may precede ours on the shared pipe: search, not startswith.
+    top = [line[line.index("TOP-LEVEL ERROR:") :] for line in lines if "TOP-LEVEL ERROR:" in line]
     assert top, detail
     # The cause: the worker's own start-up error (multiprocessing's "bootstrapping phase" advice
     # about the `if __name__ == '__main__':` idiom).
