@@ -330,3 +330,21 @@ def simple(
     kwargs = loader_kwargs(cfg, batch_size)
     res = alternate(cfg, lambda n: run_once(n, ds, kwargs, warmup))
     return throughput_rows(workload, label, res, unit)
+
+
+def torch_first_batches(ds: Dataset[Any], kwargs: dict[str, Any]) -> tuple[float, float]:
+    """Seconds to torch's first batch, then to epoch 2's first batch; both epochs drained."""
+    t0 = time.perf_counter()
+    dl = DataLoader(ds, **kwargs)
+    it = iter(dl)
+    next(it)
+    first = time.perf_counter() - t0
+    for _ in it:
+        pass
+    t0 = time.perf_counter()
+    it = iter(dl)
+    next(it)
+    second = time.perf_counter() - t0
+    for _ in it:
+        pass
+    return first, second

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from aioloader.benchmark._harness import (
     AIO,
@@ -30,6 +30,7 @@ from aioloader.benchmark._harness import (
     plan,
     run_once,
     throughput_rows,
+    torch_first_batches,
 )
 from aioloader.benchmark.big import BigDataset
 from aioloader.benchmark.cpu import JpegDataset, make_jpeg
@@ -85,20 +86,7 @@ def _first_batches(
     """Seconds to the first batch, then ms to epoch 2's first batch (persistent workers)."""
     kwargs: dict[str, Any] = {"batch_size": 64, "num_workers": workers, "persistent_workers": True}
     if name == TORCH:
-        t0 = time.perf_counter()
-        dl = DataLoader(ds, **kwargs)
-        it = iter(dl)
-        next(it)
-        first = time.perf_counter() - t0
-        for _ in it:
-            pass
-        t0 = time.perf_counter()
-        it = iter(dl)
-        next(it)
-        second = time.perf_counter() - t0
-        for _ in it:
-            pass
-        del it, dl
+        first, second = torch_first_batches(ds, kwargs)
         return first, second * 1e3
 
     async def aio() -> tuple[float, float]:

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from aioloader.benchmark._harness import (
     AIO,
@@ -23,6 +23,7 @@ from aioloader.benchmark._harness import (
     Row,
     aio_class,
     ratio_check,
+    torch_first_batches,
 )
 
 STARTUP_ENTRIES = 1_200_000
@@ -67,20 +68,7 @@ def _measure_startup(ds: StartupDataset, spec: dict[str, Any]) -> tuple[float, f
     }
     if spec["loader"] == AIO:
         return asyncio.run(_child_aio(ds, kwargs))
-    t0 = time.perf_counter()
-    dl = DataLoader(ds, **kwargs)
-    it = iter(dl)
-    next(it)
-    first = time.perf_counter() - t0
-    for _ in it:
-        pass
-    t0 = time.perf_counter()
-    it = iter(dl)
-    next(it)
-    second = time.perf_counter() - t0
-    for _ in it:
-        pass
-    return first, second
+    return torch_first_batches(ds, kwargs)
 
 
 async def _child_aio(ds: Dataset[Any], kwargs: dict[str, Any]) -> tuple[float, float]:
