@@ -427,9 +427,30 @@ class Epoch:
         if self.backend is None or self.loop is None:
             return
         gen = self.generation
-        for fd in self.backend.sentinels():
-            self.loop.add_reader(fd, self._on_sentinel, gen)
+        loop = self.loop
+        # A pool that starts its workers in waves (WorkerPool) says when the rest are up.
+        watch = getattr(self.backend, "watch", None)
+        if watch is not None:
+
+            def grown(error: BaseException | None) -> None:  # runs in: the pool's start thread
+                with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+                    loop.call_soon_threadsafe(self._on_grown, gen, error)
+
+            sentinels = watch(grown)
+        else:
+            sentinels = self.backend.sentinels()
+        for fd in sentinels:
+            loop.add_reader(fd, self._on_sentinel, gen)
             self._watched.append(fd)
+
+    def _on_grown(self, gen: int, error: BaseException | None) -> None:
+        if self.terminal or gen != self.generation:
+            return
+        if error is not None:
+            is_emfile = isinstance(error, OSError) and error.errno == errno.EMFILE
+            self.fail(emfile_error(error) if is_emfile else error)
+            return
+        self._watch()  # the new workers' sentinels too
 
     def unwatch(self) -> None:
         loop = self.loop

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing.connection
+import os
 import signal
 import threading
 import time
@@ -57,6 +58,14 @@ def _prepare_forkserver(ctx: BaseContext) -> None:
                 if mod not in preload:
                     preload.append(mod)
             ctx.set_forkserver_preload(preload)
+
+
+def first_wave_size() -> int:
+    """Workers started at once under spawn/forkserver: the CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class CrashReport:
@@ -133,6 +142,8 @@ class WorkerPool:
         self._epoch_slots: Any = ctx.RawArray(ctypes.c_longlong, [-1] * self.num_workers)
         # One slot per worker id: its pid, written by the worker at start-up.
         self._pid_slots: Any = ctx.RawArray(ctypes.c_longlong, [0] * self.num_workers)
+        # One per worker id: 1 once its initializer is done (dataset loaded, worker_init_fn run).
+        self._ready_slots: Any = ctx.RawArray(ctypes.c_ubyte, [0] * self.num_workers)
         # One per worker id: large tensors' descriptors travel with the results, not through a
         # connection from the main process to each worker per batch (see _transport).
         self._channels = [
@@ -153,6 +164,14 @@ class WorkerPool:
         self._manager_threads: list[threading.Thread] = []
         self._result_queues: list[Any] = []
         self._captured = False
+        # Staggered start (see _start_sync): the thread that starts the second wave, what to call
+        # once it did, and whether it is done. _grow_lock orders the second wave's start against
+        # watch() and the shutdown.
+        self._grow_lock = threading.Lock()
+        self._grower: threading.Thread | None = None
+        self._growing = False
+        self._on_grown: Callable[[BaseException | None], None] | None = None
+        self._stop_growing = threading.Event()
 
     @classmethod
     async def start(
@@ -197,10 +216,17 @@ class WorkerPool:
             self._owns_payload = False
             self.spec.payload_file[0].close()
 
+    def _first_wave(self) -> int:
+        """How many workers start at once; the rest start once those are up (see _start_sync)."""
+        if self._ctx.get_start_method() == "fork":
+            return self.num_workers  # cheap to start, and a later fork would run beside threads
+        return max(1, min(self.num_workers, first_wave_size()))
+
     def _start_sync(self) -> None:
         if self._ctx.get_start_method() == "forkserver":
             _prepare_forkserver(self._ctx)
         t0 = time.perf_counter()
+        wave = self._first_wave()
         if self._per_worker:
             for wid in range(self.num_workers):
                 spec = replace(self.spec, fixed_worker_id=wid)
@@ -208,20 +234,77 @@ class WorkerPool:
         else:
             counter = self._ctx.Value("i", 0)
             self._executors.append(self._new_executor(self.num_workers, self.spec, counter))
-        # Every process on this thread, now: under spawn/forkserver CPython would otherwise start
-        # them one per submit() that finds no idle worker, on the event loop, after _capture
-        # took its inventory (unwatched, and a crash blamed on the wrong worker).
-        for ex in self._executors:
-            ex.start_workers()
-        for ch in self._channels:
-            ch.close_worker_end()  # each worker holds its own copy now
+        # Processes start on this thread (and the grower's), never on submit(): under
+        # spawn/forkserver CPython would otherwise start them one per submit() that finds no idle
+        # worker, on the event loop, unwatched.
+        #
+        # Staggered: under spawn and forkserver a worker's start is CPU work (importing torch,
+        # unpickling the dataset), so N workers starting on fewer cores all finish late. As many
+        # as there are cores start now; the others once those are up, and batch 0 goes out as
+        # soon as its worker is ready. Tasks for a worker not started yet wait in its executor.
+        if self._per_worker:
+            for ex in self._executors[:wave]:
+                ex.start_workers()
+        else:
+            self._executors[0].start_workers(wave)
         self._capture_internals()
+        self._growing = wave < self.num_workers
+        if self._growing:
+            self._grower = threading.Thread(
+                target=self._grow, args=(wave,), name="aioloader-start-rest", daemon=True
+            )
+            self._grower.start()
+        else:
+            for ch in self._channels:
+                ch.close_worker_end()  # each worker holds its own copy now
         _logger.debug(
-            "started %d workers (%s) in %.3fs",
+            "started %d of %d workers (%s) in %.3fs",
+            wave,
             self.num_workers,
             self._ctx.get_start_method(),
             time.perf_counter() - t0,
         )
+
+    def _grow(self, wave: int) -> None:
+        """Runs in: the grower thread. Start the second wave once the first one is up."""
+        error: BaseException | None = None
+        try:
+            first = [p.sentinel for _, p in self._workers]
+            # Up: its initializer is done (imports, dataset, worker_init_fn), so the next
+            # workers' start-up no longer competes with it for a core.
+            while sum(self._ready_slots) < wave:
+                if self._stop_growing.is_set():
+                    return
+                if multiprocessing.connection.wait(first, 0.01):
+                    return  # one died: crash handling replaces the whole pool
+            with self._grow_lock:
+                if self._stop_growing.is_set():
+                    return
+                if self._per_worker:
+                    for ex in self._executors[wave:]:
+                        ex.start_workers()
+                elif not self._executors[0].grow():
+                    return  # broken: crash handling replaces the whole pool
+                for ch in self._channels:
+                    ch.close_worker_end()
+                self._capture_internals()
+        except BaseException as exc:  # a process that could not start (EMFILE, say)
+            error = exc
+        finally:
+            with self._grow_lock:
+                self._growing = False
+                callback, self._on_grown = self._on_grown, None
+        if callback is not None and (error is not None or not self._stop_growing.is_set()):
+            callback(error)
+
+    def watch(self, on_grown: Callable[[BaseException | None], None]) -> list[int]:
+        """The workers' sentinels now (as :meth:`sentinels`); if more workers are still to
+        start, ``on_grown`` is called once from another thread when they have (None) or could
+        not (the error). A later call replaces an earlier ``on_grown``."""
+        with self._grow_lock:
+            if self._growing:
+                self._on_grown = on_grown
+            return self.sentinels()
 
     def _new_executor(self, n: int, spec: _worker.WorkerSpec, counter: Any) -> Executor:
         return Executor(
@@ -235,6 +318,7 @@ class WorkerPool:
                 self._epoch_slots,
                 self._pid_slots,
                 self._channels,
+                self._ready_slots,
             ),
         )
 
@@ -326,7 +410,15 @@ class WorkerPool:
         """One fd per worker process that becomes readable when the process ends."""
         return [p.sentinel for p in self._procs]
 
+    def _stop_grower(self) -> None:
+        """No second wave starts from now on; one under way finishes first (it is short)."""
+        self._stop_growing.set()
+        grower = self._grower
+        if grower is not None and grower is not threading.current_thread():
+            grower.join()
+
     def _shutdown_sync(self, graceful: bool) -> None:
+        self._stop_grower()
         with self._stop_lock:
             if self._stopped:
                 return
@@ -356,6 +448,7 @@ class WorkerPool:
         everything is gone, whichever call did the work.
         """
         self._kill_requested.set()
+        self._stop_grower()
         with self._stop_lock:
             if not self._stopped:
                 self._kill_locked()

@@ -124,25 +124,51 @@ class Executor(ProcessPoolExecutor):
         self._sigterm_grace = sigterm_grace
         #: Workers the manager thread SIGKILLed because they outlived its SIGTERM.
         self.killed_pids: set[int] = set()
+        # True until start_workers(): submit() queues tasks and starts nothing (see defer).
+        self._deferred = True
 
-    def start_workers(self) -> None:
-        """Start all ``max_workers`` processes on this thread, then the manager thread.
+    def start_workers(self, count: int | None = None) -> None:
+        """Start ``count`` (default ``max_workers``) processes on this thread, then the manager
+        thread; tasks submitted before this call are taken from then on.
 
         The processes are started before the manager thread, so no thread of this executor runs
         while they fork (under the fork start method, a thread holding a lock at that moment
-        leaves the child with a lock nobody releases).
+        leaves the child with a lock nobody releases). The rest, if ``count`` is smaller, are
+        started by :meth:`grow` (spawn and forkserver only: a fork then would run beside the
+        manager thread).
         """
         # CPython's own "start them all" (_launch_processes) is for fork only and asserts that no
         # manager thread exists yet; this does the same for every start method.
+        target = self._max_workers if count is None else min(count, self._max_workers)  # type: ignore[attr-defined]
         with quiet_fork_warning():
-            while len(self._processes) < self._max_workers:  # type: ignore[attr-defined]
+            while len(self._processes) < target:
                 self._spawn_process()  # type: ignore[attr-defined]
         with self._shutdown_lock:
-            # Under the lock, as submit() starts it. From now on submit() finds as many processes
-            # as max_workers and never starts one (_adjust_process_count).
+            # Under the lock, as submit() starts it.
+            self._deferred = False
             self._start_executor_manager_thread()
 
+    def grow(self) -> bool:
+        """Start the processes :meth:`start_workers` left out; False if the pool broke or shut
+        down meanwhile (nothing started)."""
+        with self._shutdown_lock:
+            if self._broken or self._shutdown_thread:
+                return False
+            while len(self._processes) < self._max_workers:  # type: ignore[attr-defined]
+                self._spawn_process()  # type: ignore[attr-defined]
+            # The manager thread lists the processes' sentinels afresh each time it wakes.
+            self._executor_manager_thread_wakeup.wakeup()
+        return True
+
+    def _adjust_process_count(self) -> None:
+        # CPython starts a process here, on the thread calling submit() (the event loop), when no
+        # worker is idle and fewer than max_workers run. Ours are started by start_workers() and
+        # grow() only, off the loop.
+        return
+
     def _start_executor_manager_thread(self) -> None:
+        if self._deferred:
+            return  # submit() before start_workers(): the task waits in _pending_work_items
         super()._start_executor_manager_thread()
         thread: Any = self._executor_manager_thread
         if type(thread) is _process._ExecutorManagerThread:
@@ -150,6 +176,25 @@ class Executor(ProcessPoolExecutor):
             # before a cancelled task can be pending when a worker dies, and before a worker
             # with a SIGTERM handler of user code can be running.
             thread.__class__ = _ManagerThread
+
+    def close_unstarted(self) -> None:
+        """Release an executor whose workers were never started: cancel the tasks queued for it
+        and close its pipes, which its manager thread would have done. It takes no more tasks."""
+        with self._shutdown_lock:
+            if not self._deferred:
+                return
+            self._shutdown_thread = True  # submit() now raises, as after shutdown()
+        for item in list(self._pending_work_items.values()):
+            item.future.cancel()
+        self._pending_work_items.clear()
+        for q in (getattr(self, "_call_queue", None), getattr(self, "_result_queue", None)):
+            for end in ("_reader", "_writer"):
+                with contextlib.suppress(Exception):
+                    getattr(q, end).close()
+        wakeup = getattr(self, "_executor_manager_thread_wakeup", None)
+        if wakeup is not None:
+            with contextlib.suppress(Exception):
+                wakeup.close()
 
     def processes(self) -> list[BaseProcess]:
         """The worker processes (empty once the executor dropped them at shutdown)."""
@@ -225,6 +270,8 @@ def kill_executors(
         with contextlib.suppress(Exception):
             q._writer.close()
     for ex in executors:
+        if isinstance(ex, Executor):
+            ex.close_unstarted()  # before shutdown() drops its references to the pipes
         ex.shutdown(wait=False, cancel_futures=True)
     for t in manager_threads:
         t.join(timeout)

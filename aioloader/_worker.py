@@ -380,8 +380,12 @@ def init(
     epoch_slots: Any,
     pid_slots: Any,
     channels: Sequence[_transport.FdChannel] | None = None,
+    ready_slots: Any = None,
 ) -> None:
     """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
+
+    ``ready_slots[worker_id]`` is set to 1 once this is done (the pool starts its second wave of
+    workers then, see ``WorkerPool``).
 
     A failure (any ``BaseException`` from user code, ``SystemExit`` included) is stored and
     reported by every later fetch, so the consumer sees the original exception type (see
@@ -418,6 +422,8 @@ def init(
         return _transport.load_payload(*spec.payload_file)  # type: ignore[no-any-return]
 
     setup(spec, worker_id, objects)
+    if ready_slots is not None:
+        ready_slots[worker_id] = 1
 
 
 def setup(

@@ -228,6 +228,38 @@ def start_all(pp: ModuleType, method: str) -> str:
     return f"ok: {n} processes started on the start-up thread, none later"
 
 
+def staggered(pp: ModuleType) -> str:
+    """start_workers(1) then grow(): tasks queued meanwhile all run; no process starts on the
+    submitting thread. An executor never started takes tasks, then close_unstarted() cancels
+    them and closes its pipes."""
+    ctx = multiprocessing.get_context("forkserver")
+    ex = pp.Executor(3, mp_context=ctx)
+    ex.start_workers(1)
+    if len(ex.processes()) != 1:
+        return f"FAIL: {len(ex.processes())} processes after start_workers(1)"
+    futs = [ex.submit(nap, 0.05) for _ in range(6)]
+    if len(ex.processes()) != 1:
+        return "FAIL: submit() started a process"
+    ok, grown = within(60, ex.grow)
+    if not ok or not grown:
+        return f"FAIL: grow() -> {grown!r}"
+    ok, pids = within(60, lambda: {f.result() for f in futs})
+    procs = ex.processes()
+    pp.kill_executors([ex], procs, [ex._executor_manager_thread], [ex._result_queue], 5)
+    if not ok or len(procs) != 3:
+        return f"FAIL: results {pids!r}, {len(procs)} processes"
+    fds_before = set(os.listdir("/proc/self/fd"))
+    idle = pp.Executor(1, mp_context=ctx)
+    queued = idle.submit(nap, 0)
+    pp.kill_executors([idle], [], [], [idle._result_queue], 5)
+    left = set(os.listdir("/proc/self/fd")) - fds_before
+    if not queued.cancelled() or idle.processes():
+        return "FAIL: the unstarted executor's task was not cancelled"
+    if left:
+        return f"FAIL: fds left open by an unstarted executor: {sorted(left)}"
+    return f"ok: {len(pids)} worker pids served the queued tasks"
+
+
 def fork_warning(pp: ModuleType) -> str:
     """No multi-threaded fork() warning from our starts; the warning filters are left as found."""
     ctx = multiprocessing.get_context("fork")
@@ -278,6 +310,7 @@ def main(argv: list[str]) -> int:
         "start_all_forkserver": lambda: start_all(pp, "forkserver"),
         "start_all_fork": lambda: start_all(pp, "fork"),
         "fork_warning": lambda: fork_warning(pp),
+        "staggered": lambda: staggered(pp),
     }
     failed = False
     for name in names or list(scenarios):

@@ -78,6 +78,10 @@ def quick_dataset() -> TensorDataset[torch.Tensor]:
     return TensorDataset(torch.arange(64))
 
 
+def sleep_in_worker_init(worker_id: int) -> None:
+    time.sleep(60)
+
+
 def exit_in_worker_init(worker_id: int) -> None:
     sys.exit(3)
 
@@ -214,6 +218,12 @@ def test_the_old_kill_order_hangs_on_python_3_12() -> None:
 
 
 @pytest.fixture
+def one_wave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker starts at once, as on a machine with a core for each (see staggering)."""
+    monkeypatch.setattr(_executor, "first_wave_size", lambda: 64)
+
+
+@pytest.fixture
 def process_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Names of the threads that start worker processes, in order. Each start is followed by a
     pause, as on a busy machine: the workers started first are idle before the next start."""
@@ -229,7 +239,9 @@ def process_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return starts
 
 
-async def test_shared_pool_has_every_process_right_after_start(process_starts: list[str]) -> None:
+async def test_shared_pool_has_every_process_right_after_start(
+    process_starts: list[str], one_wave: None
+) -> None:
     """in_order=False map-style: one executor of num_workers processes, all started (and
     watched) by start(), none later by a submit from the event loop. (CPython starts spawn and
     forkserver processes alike, lazily; forkserver is the faster to test.)"""
@@ -268,7 +280,9 @@ async def test_shared_pool_loader_starts_every_worker_off_the_loop(
     assert process_starts == ["aioloader-start"] * 2
 
 
-async def test_replacement_after_a_crash_starts_every_process(process_starts: list[str]) -> None:
+async def test_replacement_after_a_crash_starts_every_process(
+    process_starts: list[str], one_wave: None
+) -> None:
     pool = await start_pool(quick_dataset(), 3, "forkserver", per_worker=False)
     new: WorkerPool | None = None
     try:
@@ -288,7 +302,9 @@ async def test_replacement_after_a_crash_starts_every_process(process_starts: li
             await new.shutdown(graceful=True)
 
 
-async def test_start_failing_half_way_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_start_failing_half_way_leaves_no_process(
+    monkeypatch: pytest.MonkeyPatch, one_wave: None
+) -> None:
     """A start that fails after some processes exist kills them and closes the payload."""
     calls = 0
     spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
@@ -315,6 +331,125 @@ async def test_start_failing_half_way_leaves_no_process(monkeypatch: pytest.Monk
     (spec,) = specs
     assert spec.payload_file is not None and spec.payload_file[0].fd == -1
     # no_leaks: neither the two processes started nor any thread or fd survives
+
+
+# --------------------------------------------------------------------- staggered start-up
+#
+# Under spawn/forkserver only as many workers as there are cores start at once; the rest start
+# on the pool's own thread once those are up. Here the first wave is one worker of three.
+
+
+@pytest.fixture
+def wave_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_executor, "first_wave_size", lambda: 1)
+
+
+async def wait_grown(pool: WorkerPool) -> None:
+    assert pool._grower is not None
+    await wait_until(lambda: not pool._grower.is_alive())  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("per_worker", [True, False], ids=["pinned", "shared"])
+async def test_staggered_start_takes_tasks_for_workers_not_started_yet(
+    process_starts: list[str], wave_of_one: None, per_worker: bool
+) -> None:
+    pool = await start_pool(quick_dataset(), 3, "forkserver", per_worker=per_worker)
+    try:
+        assert process_starts[:1] == ["aioloader-start"]
+        # Tasks for every worker, submitted before workers 1 and 2 exist: none is lost, none
+        # starts a process on the event loop's thread.
+        futs = [pool.submit(i, [i], 0, i % 3) for i in range(9)]
+        results = [await result(f) for f in futs]
+        assert [batch_of(r)[0].tolist() for r in results] == [[i] for i in range(9)]
+        await wait_grown(pool)
+        assert process_starts == ["aioloader-start"] + ["aioloader-start-rest"] * 2
+        assert len(pool.sentinels()) == 3
+        assert executor_pids(pool) == pids_of(pool)
+        if per_worker:  # pinned: each task ran on the worker it names
+            assert [r.worker_id for r in results] == [i % 3 for i in range(9)]
+    finally:
+        await pool.shutdown(graceful=True)
+    assert _all_gone(pool)
+
+
+async def test_watch_reports_the_second_wave(wave_of_one: None) -> None:
+    pool = await start_pool(quick_dataset(), 3, "forkserver", per_worker=True)
+    grown: list[BaseException | None] = []
+    try:
+        assert len(pool.watch(grown.append)) in (1, 3)  # 3: the rest were up already
+        await wait_grown(pool)
+        assert grown in ([None], [])
+        assert len(pool.watch(grown.append)) == 3  # once grown, no further call
+        assert len(grown) <= 1
+    finally:
+        await pool.shutdown(graceful=False)
+
+
+@pytest.mark.parametrize("graceful", [True, False])
+async def test_shutdown_before_the_second_wave_starts_none_of_it(
+    monkeypatch: pytest.MonkeyPatch, process_starts: list[str], wave_of_one: None, graceful: bool
+) -> None:
+    # The first worker never comes up: its initializer blocks, so the second wave waits.
+    pool = await start_pool(
+        quick_dataset(), 3, "forkserver", per_worker=True, worker_init_fn=sleep_in_worker_init
+    )
+    fut = pool.submit(0, [0], 0, 2)  # queued on a worker that never starts
+    await pool.shutdown(graceful=graceful)
+    assert process_starts == ["aioloader-start"]
+    assert fut.cancelled()
+    assert _all_gone(pool)
+    # no_leaks: the unstarted executors' pipes are closed, the pool's thread is gone
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+async def test_second_wave_start_failure_fails_the_epoch(
+    monkeypatch: pytest.MonkeyPatch, wave_of_one: None
+) -> None:
+    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
+
+    def no_second(self: ProcessPoolExecutor) -> None:
+        if threading.current_thread().name == "aioloader-start-rest":
+            raise OSError(11, "Resource temporarily unavailable")
+        spawn(self)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", no_second)
+    loader = AsyncDataLoader(
+        PidDataset(12), batch_size=2, num_workers=3, multiprocessing_context="forkserver"
+    )
+    async with loader:
+        with pytest.raises(OSError, match="temporarily unavailable"):
+            async with asyncio.timeout(60):
+                async for _ in loader:
+                    pass
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+async def test_loader_watches_the_second_wave(wave_of_one: None) -> None:
+    """A worker of the second wave killed mid-batch is noticed and its batch loaded again."""
+    loader = AsyncDataLoader(
+        PidDataset(12, slow=5, delay=3),
+        batch_size=1,
+        num_workers=3,
+        multiprocessing_context="forkserver",
+        worker_nice=0,
+    )
+    seen: list[int] = []
+    async with loader:
+        async with asyncio.timeout(90):
+            it = aiter(loader)
+            for _ in range(5):
+                seen += (await anext(it))[:, 0].tolist()
+            epoch = it._epoch  # type: ignore[attr-defined]
+            assert epoch.backend is not None
+            pool = epoch.backend
+            assert isinstance(pool, WorkerPool)
+            await wait_until(lambda: pool.busy_send_idx().get(2) == (0, 5))  # index 5: worker 2
+            assert len(epoch._watched) == 3
+            with pytest.warns(RuntimeWarning, match="worker 2"):
+                os.kill(pool._pid_slots[2], signal.SIGKILL)
+                async for b in it:
+                    seen += b[:, 0].tolist()
+    assert seen == list(range(12))
 
 
 # ----------------------------------------------------------------------------- crash reports
@@ -352,7 +487,7 @@ async def test_crash_report_names_the_worker_its_batch_and_epoch() -> None:
         await pool.shutdown(graceful=False)
 
 
-async def test_shared_pool_crash_is_blamed_on_the_worker_that_died() -> None:
+async def test_shared_pool_crash_is_blamed_on_the_worker_that_died(one_wave: None) -> None:
     pool = await start_pool(PidDataset(8, slow=-2, delay=60), 3, "forkserver", per_worker=False)
     try:
         futs = [pool.submit(10 + i, [i], 1, None) for i in range(3)]
