@@ -243,8 +243,12 @@ class WorkerPool:
         # as there are cores start now; the others once those are up, and batch 0 goes out as
         # soon as its worker is ready. Tasks for a worker not started yet wait in its executor.
         if self._per_worker:
+            # Every process before any manager thread: under fork, no thread of this pool runs
+            # while a worker forks (see the class docstring).
             for ex in self._executors[:wave]:
-                ex.start_workers()
+                ex.start_processes()
+            for ex in self._executors[:wave]:
+                ex.start_manager()
         else:
             self._executors[0].start_workers(wave)
         self._capture_internals()

@@ -137,12 +137,22 @@ class Executor(ProcessPoolExecutor):
         started by :meth:`grow` (spawn and forkserver only: a fork then would run beside the
         manager thread).
         """
+        self.start_processes(count)
+        self.start_manager()
+
+    def start_processes(self, count: int | None = None) -> None:
+        """The first half of :meth:`start_workers`: only the processes. Several executors'
+        processes can so all be started before any of their manager threads."""
         # CPython's own "start them all" (_launch_processes) is for fork only and asserts that no
         # manager thread exists yet; this does the same for every start method.
         target = self._max_workers if count is None else min(count, self._max_workers)  # type: ignore[attr-defined]
         with quiet_fork_warning():
             while len(self._processes) < target:
                 self._spawn_process()  # type: ignore[attr-defined]
+
+    def start_manager(self) -> None:
+        """The second half of :meth:`start_workers`: the manager thread, which takes the tasks
+        queued so far."""
         with self._shutdown_lock:
             # Under the lock, as submit() starts it.
             self._deferred = False

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import process as _cf_process
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
@@ -331,6 +332,31 @@ async def test_start_failing_half_way_leaves_no_process(
     (spec,) = specs
     assert spec.payload_file is not None and spec.payload_file[0].fd == -1
     # no_leaks: neither the two processes started nor any thread or fd survives
+
+
+async def test_pinned_fork_pool_forks_every_worker_before_any_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under fork a thread running at the instant of a fork can leave the child a lock nobody
+    releases: a pinned pool forks all its workers before it starts any manager thread."""
+    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
+    managers_at_fork: list[int] = []
+
+    def counting_spawn(self: ProcessPoolExecutor) -> None:
+        managers_at_fork.append(
+            sum(isinstance(t, _cf_process._ExecutorManagerThread) for t in threading.enumerate())
+        )
+        spawn(self)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", counting_spawn)
+    pool = await start_pool(PidDataset(8), 3, "fork", per_worker=True)
+    try:
+        assert managers_at_fork == [0, 0, 0]
+        assert len(pool._manager_threads) == 3
+        res = await result(pool.submit(0, [1], 0, 2))
+        assert res.worker_id == 2
+    finally:
+        await pool.shutdown(graceful=True)
 
 
 # --------------------------------------------------------------------- staggered start-up
