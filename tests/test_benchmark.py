@@ -6,7 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from aioloader.benchmark._load import LoadMeter
 
 
 def test_quick_tiny_benchmark_reports_both_loaders(tmp_path: Path) -> None:
@@ -38,3 +41,39 @@ def test_quick_tiny_benchmark_reports_both_loaders(tmp_path: Path) -> None:
         assert row["median"]["torch"] > 0
         assert row["median"]["aioloader"] > 0
         assert row["ratio_aioloader_over_torch"] > 0
+    load = doc["other_load"]["tiny"]
+    assert load["cores"] == os.cpu_count() and load["others_cores"] >= 0
+    assert load["benchmark_cores"] > 0  # the loaders ran in this tree
+    assert "machine load from other processes" in proc.stdout
+
+
+# Burns CPU seconds (not wall seconds), so the amounts below hold however loaded the machine is.
+_BURN = "import time\nwhile time.process_time() < {s}: pass\n"
+
+
+def test_load_meter_tells_other_processes_from_the_benchmarks(tmp_path: Path) -> None:
+    meter = LoadMeter()
+    meter.start()
+    # Ours: a child burning 0.5 s of CPU.
+    subprocess.run([sys.executable, "-c", _BURN.format(s=0.5)], check=True, timeout=120)
+    # Another's: a process that is not our descendant (its parent shell exits at once, so it is
+    # re-parented away from us) burning 0.5 s; it says when it is done through a file.
+    done = tmp_path / "done"
+    script = _BURN.format(s=0.5) + f"open({str(done)!r}, 'w').close()\n"
+    subprocess.run(
+        ["sh", "-c", f'"{sys.executable}" -c "$0" >/dev/null 2>&1 &', script],
+        check=True,
+        timeout=60,
+    )
+    deadline = time.monotonic() + 120
+    while not done.exists():
+        assert time.monotonic() < deadline, "the outside process never finished"
+        time.sleep(0.05)
+    time.sleep(0.05)  # its last tick accounted
+    wall = time.monotonic() - meter._t0
+    load = meter.stop()
+    assert load is not None
+    assert load.ours * wall >= 0.45
+    assert load.others * wall >= 0.4
+    # Not counted twice: what we burned is not in "others", and vice versa.
+    assert load.ours * wall < 0.5 + 0.5 + 0.3

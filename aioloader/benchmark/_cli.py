@@ -29,6 +29,7 @@ from aioloader.benchmark._harness import (
     run_once,
     spdl_available,
 )
+from aioloader.benchmark._load import LoadMeter, OtherLoad
 from aioloader.benchmark._report import format_table, machine_info, write_plot
 from aioloader.benchmark.big import bench_big
 from aioloader.benchmark.cpu import bench_cpu
@@ -142,9 +143,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in loaders:
         run_once(name, TinyDataset(64), loader_kwargs(cfg, 8), 1)
     rows: list[Row] = []
+    loads: dict[str, OtherLoad] = {}
+    meter = LoadMeter()
     for name in args.names:
         progress(f"workload {name}")
+        meter.start()
         rows += BENCHES[name](cfg)
+        load = meter.stop()
+        if load is not None:
+            loads[name] = load
+            progress(f"{name}: {load.describe()}")
     # Workloads that compare more loaders (the executors) add their columns.
     extra = [c for c in backends.COLUMNS if any(c in r.rounds for r in rows)]
     loaders = loaders + extra
@@ -155,12 +163,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\n{len(rows)} rows in {elapsed:.0f}s; workers={args.workers}, rounds={args.rounds}, "
         f"cpus={os.cpu_count()}, torch {torch.__version__}"
     )
+    if loads:
+        # Ratios taken while other processes kept cores busy are less reliable: say how busy.
+        print("machine load from other processes, per workload (cores on average):")
+        print("  " + ", ".join(f"{name} {load.others:.2f}" for name, load in loads.items()))
     if args.json:
         doc = {
             "machine": machine_info(),
             "argv": list(argv if argv is not None else sys.argv),
             "elapsed_s": elapsed,
             "loaders": loaders,
+            "other_load": {
+                name: {"others_cores": ld.others, "benchmark_cores": ld.ours, "cores": ld.cores}
+                for name, ld in loads.items()
+            },
             "rows": [r.to_json() for r in rows],
         }
         with open(args.json, "w") as fh:
