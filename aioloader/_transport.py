@@ -29,6 +29,7 @@ import copyreg
 import ctypes
 import errno
 import io
+import itertools
 import mmap
 import os
 import pickle
@@ -101,8 +102,11 @@ class FdChannel:
         on the worker's pool of reused batch buffers; None leaves it off."""
         self.key = secrets.randbits(62)
         self.in_use = in_use
-        # Batches built in the worker's pool and still alive here: (storage, pool slot).
-        self._outstanding: list[tuple[Any, int]] = []
+        # Batches built in the worker's pool and still alive here: token -> (weak reference to
+        # the storage, pool slot). Whoever pops a token (the storage's finaliser or
+        # release_dropped, on any thread) frees the slot: dict.pop is atomic, so exactly once.
+        self._outstanding: dict[int, tuple[Any, int]] = {}
+        self._tokens = itertools.count()
         self.main_end, self.worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.main_end.setblocking(False)
         self._lock = threading.Lock()
@@ -116,28 +120,38 @@ class FdChannel:
         return (_WorkerEnd, (self.key, self.worker_end, self.in_use))
 
     def track_pooled(self, storage: torch.UntypedStorage, slot: int) -> None:
-        """``storage`` maps the worker's pool buffer ``slot``: free it once no tensor uses it."""
+        """``storage`` maps the worker's pool buffer ``slot``: free it once no tensor uses it.
+
+        The slot is freed the moment the last tensor or view of ``storage`` in this process goes
+        (a finaliser on the storage, run by whichever thread drops it), so the worker's next
+        batch can reuse it; :meth:`release_dropped` is the fallback if the finaliser cannot
+        tell (see :func:`_sole_holder_count`).
+        """
         ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-        with self._lock:
-            self._outstanding.append((ref, slot))
+        token = next(self._tokens)
+        self._outstanding[token] = (ref, slot)
+        limit = _sole_holder_count()
+        if limit >= 0:
+            # Not a bound method: a batch kept after aclose() must not keep the channel alive.
+            fin = weakref.finalize(
+                storage, _release_if_sole, self._outstanding, self.in_use, token, limit
+            )
+            fin.atexit = False  # at exit the batch may still be alive: nothing to hand back
 
     def release_dropped(self) -> None:
         """Hand back to the worker every pool buffer no tensor of this process uses any more.
 
-        Called with every result received: a buffer the consumer dropped is reusable from the
-        worker's next batch on. A storage's weak reference expires only once every tensor and
-        view of it is gone, so a buffer is never rewritten while anything here can read it.
+        A storage's weak reference expires only once every tensor and view of it is gone, so a
+        buffer is never rewritten while anything here can read it. Called with every result
+        received, as a fallback: the storages' finalisers normally hand buffers back sooner.
         """
-        with self._lock:
-            if not self._outstanding or self.in_use is None:
-                return
-            alive = []
-            for ref, slot in self._outstanding:
-                if ref.expired():
-                    self.in_use[slot] = 0
-                else:
-                    alive.append((ref, slot))
-            self._outstanding = alive
+        in_use = self.in_use
+        if in_use is None:
+            return
+        # list() copies in one step under the GIL; finalisers may pop entries meanwhile.
+        for token, (ref, slot) in list(self._outstanding.items()):
+            if ref.expired() and self._outstanding.pop(token, None) is not None:
+                in_use[slot] = 0
 
     def close_worker_end(self) -> None:
         """Close the main process's copy of the worker's end, once the worker has started."""
@@ -203,6 +217,45 @@ class FdChannel:
 
 
 _channels: weakref.WeakValueDictionary[int, FdChannel] = weakref.WeakValueDictionary()
+
+_sole_holder: int | None = None
+
+
+def _sole_holder_count() -> int:
+    """The use count a storage shows, while a finaliser on its Python object runs, when nothing
+    else holds it; -1 if this torch calls such a finaliser while tensors still hold the storage.
+
+    torch keeps one Python object per storage alive for as long as any tensor uses it, so a
+    finaliser on it runs only once the storage itself is being freed. Whether that object still
+    counts its own reference while its finalisers run differs between torch versions, so it is
+    measured once: a finaliser that sees at most this count is the storage's last holder.
+    """
+    global _sole_holder
+    if _sole_holder is None:
+        seen: list[int] = []
+        probe = torch.UntypedStorage(8)  # type: ignore[no-untyped-call]
+        ref = StorageWeakRef(probe)  # type: ignore[no-untyped-call]
+        use_count = torch._C._storage_Use_Count
+        weakref.finalize(probe, lambda: seen.append(use_count(ref.cdata)))
+        view = torch.empty(0, dtype=torch.uint8).set_(probe, 0, (8,), (1,))
+        del probe
+        early = bool(seen)  # the finaliser ran while a tensor still held the storage
+        del view
+        _sole_holder = seen[0] if seen and not early and seen[0] <= 1 else -1
+    return _sole_holder
+
+
+def _release_if_sole(
+    outstanding: dict[int, tuple[Any, int]], in_use: Any, token: int, limit: int
+) -> None:
+    # A storage's finaliser: free its pool slot if nothing else holds the storage any more.
+    # Runs on whichever thread dropped the last tensor, possibly inside garbage collection, so
+    # it takes no lock.
+    entry = outstanding.get(token)
+    if entry is None or torch._C._storage_Use_Count(entry[0].cdata) > limit:
+        return
+    if outstanding.pop(token, None) is not None:
+        in_use[entry[1]] = 0
 
 
 #: Reused batch buffers per worker. A batch that finds none free (the consumer holds them all)
@@ -366,6 +419,8 @@ class _TensorReducer:
         self.fds: list[int] = []
         self._slots: dict[int, int] = {}
         self._keep: list[torch.UntypedStorage] = []  # each fd stays open until sent
+        #: The worker's pool buffers (slots) among them.
+        self.pool_slots: set[int] = set()
 
     def __call__(self, t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         nbytes = t.numel() * t.element_size()
@@ -396,6 +451,9 @@ class _TensorReducer:
                 self.fds.append(fd)
                 self._keep.append(storage)
             if slot is not None:
+                pool_slot = channel.slot_of.get(storage.data_ptr(), -1)
+                if pool_slot >= 0:
+                    self.pool_slots.add(pool_slot)
                 return _rebuild_channel_tensor, (
                     channel.key,
                     self._tag,
@@ -405,7 +463,7 @@ class _TensorReducer:
                     tuple(t.shape),
                     t.stride(),
                     t.storage_offset(),
-                    channel.slot_of.get(storage.data_ptr(), -1),
+                    pool_slot,
                 )
         pool = channel or self._pool
         if (
@@ -440,8 +498,10 @@ def dumps_result(obj: object, tag: tuple[int, int] = (-1, -1)) -> bytes:
     if reducer.fds:
         assert channel is not None
         if channel.send(tag, reducer.fds):
-            # The main process frees the pool buffers of this result (FdChannel.release_dropped).
-            channel.unsent.clear()
+            # The main process frees the pool buffers this result carries (track_pooled); any
+            # other buffer taken for this task (a streamed batch given up for default_collate)
+            # stays in ``unsent`` for release_unsent().
+            channel.unsent = [s for s in channel.unsent if s not in reducer.pool_slots]
         else:
             # The channel is full or gone: pickle again the way torch does.
             data = _dumps(obj, _TensorReducer(None, tag, pool=channel))
