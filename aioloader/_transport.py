@@ -30,6 +30,7 @@ import ctypes
 import errno
 import io
 import itertools
+import math
 import mmap
 import os
 import pickle
@@ -384,7 +385,8 @@ def _rebuild_channel_tensor(
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
-def _is_plain_cpu_tensor(t: torch.Tensor) -> bool:
+def is_plain_cpu_tensor(t: torch.Tensor) -> bool:
+    """A dense CPU tensor of torch's own type, not needing grad, not quantized."""
     return (
         type(t) is torch.Tensor
         and t.device.type == "cpu"
@@ -424,7 +426,7 @@ class _TensorReducer:
 
     def __call__(self, t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         nbytes = t.numel() * t.element_size()
-        plain = _is_plain_cpu_tensor(t)
+        plain = is_plain_cpu_tensor(t)
         if nbytes < INLINE_TENSOR_BYTES and plain:
             # A conjugated or negated view is lazy: its memory holds the values before the flip,
             # and contiguous() keeps the flag. Materialise it, or the raw bytes would be wrong.
@@ -511,20 +513,45 @@ def dumps_result(obj: object, tag: tuple[int, int] = (-1, -1)) -> bytes:
 def collate_into_pool(batch: list[torch.Tensor]) -> torch.Tensor | None:
     """In a worker: ``torch.stack(batch)`` into a reused pool buffer, or None if there is none
     (no channel, all buffers in use, or tensors that are not plain CPU tensors)."""
-    channel = _worker_channel
     elem = batch[0]
-    if channel is None or channel.in_use is None or not all(_is_plain_cpu_tensor(x) for x in batch):
+    if not all(is_plain_cpu_tensor(x) for x in batch):
         return None
-    shape = (len(batch), *elem.shape)
-    numel = len(batch) * elem.numel()
-    storage = channel.acquire(numel * elem.element_size())
+    out = _pool_tensor((len(batch), *elem.shape), elem.dtype)
+    if out is None:
+        return None
+    return torch.stack(batch, 0, out=out)
+
+
+def batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """In a worker: an uninitialised contiguous CPU tensor in shared memory to build a batch in.
+
+    A free pool buffer if there is one, else a fresh segment (what ``default_collate`` stacks
+    into in a worker). A pool buffer not sent with the task's result is freed at its end.
+    """
+    out = _pool_tensor(shape, dtype)
+    if out is None:
+        nbytes = math.prod(shape) * dtype.itemsize
+        storage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+        out = torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
+    return out
+
+
+def _pool_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    channel = _worker_channel
+    if channel is None or channel.in_use is None:
+        return None
+    nbytes = math.prod(shape) * dtype.itemsize
+    storage = channel.acquire(nbytes)
     if storage is None:
         return None
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         stride[i] = stride[i + 1] * shape[i + 1]
-    out = torch.empty(0, dtype=elem.dtype).set_(storage, 0, shape, tuple(stride))
-    return torch.stack(batch, 0, out=out)
+    return tuple(stride)
 
 
 def release_unsent() -> None:

@@ -273,6 +273,8 @@ class _State:
     fetcher: Any = None
     dataset: Any = None
     collate_fn: Any = None
+    #: Map-style batches with default_collate in a process worker: see fetch_streamed().
+    streamed: bool = False
     init_error: RemoteError | None = None
     epoch: int = -1
     spec: WorkerSpec | None = None
@@ -349,6 +351,65 @@ _COLLATE_FN_MAP = {**torch_collate.default_collate_fn_map, torch.Tensor: _collat
 def _default_collate_small_inline(batch: Any) -> Any:
     """``default_collate`` with :func:`_collate_tensors`: same output, no segment for small ones."""
     return torch_collate.collate(batch, collate_fn_map=_COLLATE_FN_MAP)
+
+
+def _streamable(sample: object) -> bool:
+    # What fetch_streamed copies straight into a batch; anything else goes to default_collate.
+    return (
+        isinstance(sample, torch.Tensor)
+        and _transport.is_plain_cpu_tensor(sample)
+        and not sample.is_nested
+    )
+
+
+def fetch_streamed(dataset: Any, indices: list[Any] | tuple[Any, ...]) -> Any:
+    """``default_collate([dataset[i] for i in indices])`` in a worker, each sample copied into
+    the batch as soon as it is read.
+
+    Applies when the samples are plain CPU tensors of one shape and dtype and the batch is too
+    large to travel inline: each sample is dropped once copied, so the worker never holds the
+    samples and the batch at once (torch's worker does, twice a batch at its peak). The dataset
+    sees the same calls in the same order, and the batch is bit-identical to
+    ``default_collate``'s (contiguous, in shared memory). At the first sample that does not fit
+    (another shape or dtype, not a plain tensor) every sample goes to ``default_collate``
+    instead, the ones already copied as views of the batch, so its result, or its exception,
+    is the one it gives without streaming.
+    """
+    collate = _default_collate_small_inline
+    n = len(indices)
+    if n == 0:
+        return collate([])
+    it = iter(indices)
+    first = dataset[next(it)]
+    if (
+        not _streamable(first)
+        or n * first.numel() * first.element_size() < _transport.INLINE_TENSOR_BYTES
+    ):
+        return collate([first, *(dataset[i] for i in it)])
+    shape, dtype = first.shape, first.dtype
+    out = _transport.batch_buffer((n, *shape), dtype)
+    out[0].copy_(first)
+    del first
+    for k, idx in enumerate(it, 1):
+        sample = dataset[idx]
+        if not (_streamable(sample) and sample.shape == shape and sample.dtype == dtype):
+            # A buffer taken from the pool is freed at the task's end (release_unsent): only
+            # tensors of the result are kept for the main process.
+            return collate([*out[:k].unbind(0), sample, *(dataset[i] for i in it)])
+        out[k].copy_(sample)
+        del sample
+    return out
+
+
+def _streams(indices: Any) -> bool:
+    # torch's map-style fetcher with default_collate, as fetch_streamed replaces it: a dataset
+    # with __getitems__ reads a batch at once, and other index containers go to torch as is.
+    dataset = _state.dataset
+    return (
+        _state.streamed
+        and isinstance(indices, list | tuple)
+        and not (hasattr(dataset, "__getitems__") and dataset.__getitems__)
+    )
 
 
 def _collate_tensors_no_shm(
@@ -459,6 +520,11 @@ def setup(
         if collate_fn is torch_collate.default_collate:
             collate_fn = _default_collate_small_inline if shm_collate else _default_collate_no_shm
         _state.collate_fn = collate_fn
+        _state.streamed = (
+            not spec.is_iterable
+            and spec.auto_collation
+            and collate_fn is _default_collate_small_inline
+        )
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
         if not spec.is_iterable:
@@ -524,6 +590,8 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
             state = capture_state(_state.fetcher, _state.dataset)
         elif isinstance(indices, Samples):
             batch = _state.dataset.collate(indices, _state.collate_fn, spec.auto_collation)
+        elif _streams(indices):
+            batch = fetch_streamed(_state.dataset, indices)
         else:
             batch = _state.fetcher.fetch(indices)
         try:
