@@ -259,11 +259,22 @@ def _release_if_sole(
         in_use[entry[1]] = 0
 
 
-#: Reused batch buffers per worker. A batch that finds none free (the consumer holds them all)
-#: is collated into a fresh segment, as torch does. The buffers stay resident while the workers
-#: live: on the ``big`` workload (38.5 MB batches, 2 workers) 3 buffers gave 2.1-3.0x torch's
-#: throughput at 1.3x its peak memory; 4 gave 2.6-2.8x at 1.4-1.5x; 2 gave 2.1x at 1.3x.
+#: Reused batch buffers per worker, at most. A batch that finds none free (the consumer and the
+#: queue hold them all) is collated into a fresh segment, as torch does.
 POOL_SLOTS = 3
+
+#: A worker keeps more than one buffer only while they fit in this many bytes together: a
+#: buffer stays resident while the worker lives, in use or not. On the ``big`` workload (38.5 MB
+#: batches, 2 workers, batches built sample by sample, buffers handed back as the consumer
+#: drops them) 1 buffer gave 1.6x torch's throughput at 0.89-1.01x its peak memory (PSS of the
+#: process tree); 2 gave 2.3-3.2x at 1.11-1.25x; 3 gave 2.7-3.5x at 1.13-1.23x.
+POOL_BYTES = 64 * 1024 * 1024
+
+
+def pool_slots(nbytes: int) -> int:
+    """How many buffers of ``nbytes`` a worker keeps: 1 to :data:`POOL_SLOTS`, within
+    :data:`POOL_BYTES` when more than one."""
+    return max(1, min(POOL_SLOTS, POOL_BYTES // max(nbytes, 1)))
 
 
 class _WorkerEnd:
@@ -283,21 +294,31 @@ class _WorkerEnd:
         in_use = self.in_use
         if in_use is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":  # type: ignore[no-untyped-call]
             return None
-        free = [i for i in range(POOL_SLOTS) if not in_use[i]]
+        usable = pool_slots(nbytes)
+        for i in range(usable, POOL_SLOTS):
+            if self.pool[i] is not None and not in_use[i]:
+                # Kept for smaller batches: over the budget at this size, so give its memory back.
+                self._drop(i)
+        free = [i for i in range(usable) if not in_use[i]]
         if not free:
             return None
         fits = [i for i in free if (st := self.pool[i]) is not None and st.nbytes() >= nbytes]
         slot = fits[0] if fits else free[0]
         storage = self.pool[slot]
         if storage is None or storage.nbytes() < nbytes:
-            if storage is not None:
-                del self.slot_of[storage.data_ptr()]
+            self._drop(slot)
             storage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
             self.pool[slot] = storage
             self.slot_of[storage.data_ptr()] = slot
         in_use[slot] = 1
         self.unsent.append(slot)
         return storage
+
+    def _drop(self, slot: int) -> None:
+        storage = self.pool[slot]
+        if storage is not None:
+            del self.slot_of[storage.data_ptr()]
+            self.pool[slot] = None
 
     def release_unsent(self) -> None:
         """Free the buffers acquired for a task whose result did not go out through the channel."""
@@ -516,35 +537,33 @@ def collate_into_pool(batch: list[torch.Tensor]) -> torch.Tensor | None:
     elem = batch[0]
     if not all(is_plain_cpu_tensor(x) for x in batch):
         return None
-    out = _pool_tensor((len(batch), *elem.shape), elem.dtype)
+    out = pool_buffer((len(batch), *elem.shape), elem.dtype)
     if out is None:
         return None
     return torch.stack(batch, 0, out=out)
 
 
-def batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """In a worker: an uninitialised contiguous CPU tensor in shared memory to build a batch in.
-
-    A free pool buffer if there is one, else a fresh segment (what ``default_collate`` stacks
-    into in a worker). A pool buffer not sent with the task's result is freed at its end.
-    """
-    out = _pool_tensor(shape, dtype)
-    if out is None:
-        nbytes = math.prod(shape) * dtype.itemsize
-        storage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
-        out = torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
-    return out
-
-
-def _pool_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """In a worker: an uninitialised contiguous CPU tensor in one of its free pool buffers, or
+    None (no pool, or every buffer in use). A buffer not sent with the task's result is freed
+    at the task's end (:func:`release_unsent`)."""
     channel = _worker_channel
     if channel is None or channel.in_use is None:
         return None
-    nbytes = math.prod(shape) * dtype.itemsize
-    storage = channel.acquire(nbytes)
+    storage = channel.acquire(math.prod(shape) * dtype.itemsize)
     if storage is None:
         return None
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
+
+
+def batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """In a worker: :func:`pool_buffer`, else a fresh shared-memory segment (what
+    ``default_collate`` stacks into in a worker)."""
+    out = pool_buffer(shape, dtype)
+    if out is None:
+        storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)  # type: ignore[no-untyped-call]
+        out = torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
+    return out
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
