@@ -355,10 +355,14 @@ def _default_collate_small_inline(batch: Any) -> Any:
 
 def _streamable(sample: object) -> bool:
     # What fetch_streamed copies straight into a batch; anything else goes to default_collate.
+    # Lazy conjugate/negative views too: torch's collation in a worker fails on them, and copy_
+    # would quietly succeed.
     return (
         isinstance(sample, torch.Tensor)
         and _transport.is_plain_cpu_tensor(sample)
         and not sample.is_nested
+        and not sample.is_conj()
+        and not sample.is_neg()
     )
 
 
