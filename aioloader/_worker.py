@@ -367,17 +367,19 @@ def _streamable(sample: object) -> bool:
 
 
 def fetch_streamed(dataset: Any, indices: list[Any] | tuple[Any, ...]) -> Any:
-    """``default_collate([dataset[i] for i in indices])`` in a worker, each sample copied into
-    the batch as soon as it is read.
+    """``default_collate([dataset[i] for i in indices])`` in a worker, large tensors copied into
+    the batch as soon as each sample is read.
 
-    Applies when the samples are plain CPU tensors of one shape and dtype and the batch is too
-    large to travel inline: each sample is dropped once copied, so the worker never holds the
-    samples and the batch at once (torch's worker does, twice a batch at its peak). The dataset
-    sees the same calls in the same order, and the batch is bit-identical to
-    ``default_collate``'s (contiguous, in shared memory). At the first sample that does not fit
-    (another shape or dtype, not a plain tensor) every sample goes to ``default_collate``
-    instead, the ones already copied as views of the batch, so its result, or its exception,
-    is the one it gives without streaming.
+    Applies when the samples are plain CPU tensors, or tuples holding some (``(image, label)``),
+    whose batch is too large to travel inline: each such tensor is copied into its batch buffer
+    and dropped, so the worker never holds the samples and the batch at once (torch's worker
+    does, twice a batch at its peak). The other members of a tuple are kept and collated at the
+    end. The dataset sees the same calls in the same order, and the batch is bit-identical to
+    ``default_collate``'s in a worker (contiguous, in shared memory; for tuples a list, as
+    there). At the first sample that does not fit the first one's layout (another shape, dtype
+    or length, not a plain tensor) every sample goes to ``default_collate`` instead, the ones
+    already copied rebuilt from views of the batch, so its result, or its exception, is the one
+    it gives without streaming.
     """
     collate = _default_collate_small_inline
     n = len(indices)
@@ -385,24 +387,51 @@ def fetch_streamed(dataset: Any, indices: list[Any] | tuple[Any, ...]) -> Any:
         return collate([])
     it = iter(indices)
     first = dataset[next(it)]
-    if (
-        not _streamable(first)
-        or n * first.numel() * first.element_size() < _transport.INLINE_TENSOR_BYTES
-    ):
+    in_tuple = type(first) is tuple
+    members = first if in_tuple else (first,)
+    # Per member: its batch buffer if it is streamed, else None (kept, collated at the end).
+    bufs: list[torch.Tensor | None] = [
+        _transport.batch_buffer((n, *m.shape), m.dtype)
+        if _streamable(m) and n * m.numel() * m.element_size() >= _transport.INLINE_TENSOR_BYTES
+        else None
+        for m in members
+    ]
+    if all(b is None for b in bufs):
         return collate([first, *(dataset[i] for i in it)])
-    shape, dtype = first.shape, first.dtype
-    out = _transport.batch_buffer((n, *shape), dtype)
-    out[0].copy_(first)
-    del first
-    for k, idx in enumerate(it, 1):
-        sample = dataset[idx]
-        if not (_streamable(sample) and sample.shape == shape and sample.dtype == dtype):
-            # A buffer taken from the pool is freed at the task's end (release_unsent): only
-            # tensors of the result are kept for the main process.
-            return collate([*out[:k].unbind(0), sample, *(dataset[i] for i in it)])
-        out[k].copy_(sample)
+    kept: list[list[Any]] = [[] for _ in bufs]
+
+    def fits(sample: Any) -> bool:
+        if in_tuple and (type(sample) is not tuple or len(sample) != len(bufs)):
+            return False
+        return all(
+            b is None or (_streamable(m) and m.shape == b.shape[1:] and m.dtype == b.dtype)
+            for b, m in zip(bufs, sample if in_tuple else (sample,), strict=True)
+        )
+
+    def rebuilt(k: int) -> Any:  # sample k as default_collate would have had it
+        got = [kept[j][k] if b is None else b[k] for j, b in enumerate(bufs)]
+        return tuple(got) if in_tuple else got[0]
+
+    sample = first
+    del first, members
+    for k in range(n):
+        if k:
+            sample = dataset[next(it)]
+            if not fits(sample):
+                # A pool buffer taken here is freed at the task's end (release_unsent): only
+                # tensors of the result are sent to the main process.
+                done = [rebuilt(j) for j in range(k)]
+                return collate([*done, sample, *(dataset[i] for i in it)])
+        for j, (b, m) in enumerate(zip(bufs, sample if in_tuple else (sample,), strict=True)):
+            if b is None:
+                kept[j].append(m)
+            else:
+                b[k].copy_(m)
         del sample
-    return out
+    if not in_tuple:
+        return bufs[0]
+    # default_collate collates each member's samples as a tuple, in order.
+    return [collate(tuple(kept[j])) if b is None else b for j, b in enumerate(bufs)]
 
 
 def _streams(indices: Any) -> bool:

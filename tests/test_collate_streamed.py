@@ -23,7 +23,7 @@ from tests import datasets
 
 
 class Recorded:
-    """A map-style dataset over ``make(i)`` that records its calls and its live samples."""
+    """A map-style dataset over ``make(i)`` that records its calls and its live tensors."""
 
     def __init__(self, make: Callable[[int], Any]) -> None:
         self.make = make
@@ -37,10 +37,11 @@ class Recorded:
     def __getitem__(self, i: int) -> Any:
         self.calls.append(i)
         sample = self.make(i)
-        if isinstance(sample, torch.Tensor):
-            self.live += 1
-            self.max_live = max(self.max_live, self.live)
-            weakref.finalize(sample, self._dropped)
+        for t in sample if isinstance(sample, tuple) else (sample,):
+            if isinstance(t, torch.Tensor):
+                self.live += 1
+                self.max_live = max(self.max_live, self.live)
+                weakref.finalize(t, self._dropped)
         return sample
 
 
@@ -216,6 +217,60 @@ def test_a_sample_that_does_not_fit_gets_default_collates_outcome(
             assert all(_same(got[1][k], want[1][k]) for k in want[1])
         else:
             assert _same(got[1], want[1])
+
+
+def _img(i: int, shape: tuple[int, ...] = (2, 3)) -> torch.Tensor:
+    return torch.full(shape, float(i))
+
+
+TUPLES: dict[str, Callable[[int], Any]] = {
+    "image and label": lambda i: (_img(i), i),
+    "label first, two tensors, a string": lambda i: (i % 3, _img(i), f"s{i}", _img(-i, (4,))),
+    "a small member kept": lambda i: (_img(i), torch.tensor([i, i])),
+    "another length": lambda i: (_img(i), i, 0) if i == 3 else (_img(i), i),
+    "a list": lambda i: [_img(i), i] if i == 3 else (_img(i), i),
+    "a namedtuple later": lambda i: (
+        torch.return_types.max((_img(i), _img(i))) if i == 3 else (_img(i), _img(i))
+    ),
+    "another member shape": lambda i: (_img(i, (2, 4)) if i == 3 else _img(i), i),
+    "labels of mixed types": lambda i: (_img(i), 2.5 if i == 3 else i),
+    "labels that cannot collate": lambda i: (_img(i), object() if i == 3 else i),
+    "a tensor member later": lambda i: (_img(i), _img(i) if i == 3 else i),
+}
+
+
+@pytest.mark.parametrize("case", list(TUPLES))
+def test_tuples_stream_their_tensors_and_get_default_collates_outcome(
+    worker_side: _transport.FdChannel | None, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 2x3 float32 members stream, as would an image; 2-element ones stay below the threshold.
+    monkeypatch.setattr(_transport, "INLINE_TENSOR_BYTES", 5 * 6 * 4)
+    make = TUPLES[case]
+    indices = [0, 1, 2, 3, 4]
+    ds = Recorded(make)
+    got = _outcome(lambda: _worker.fetch_streamed(ds, indices))
+    assert ds.calls == indices
+    want = _outcome(lambda: default_collate([make(i) for i in indices]))
+    assert got[0] == want[0], (got, want)
+    if got[0] != "ok":
+        assert got[1] == want[1] or "object" in got[1]  # object() reprs differ by address
+        return
+    assert type(got[1]) is type(want[1]) and len(got[1]) == len(want[1])
+    for g, w in zip(got[1], want[1], strict=True):
+        if isinstance(w, torch.Tensor):
+            _assert_identical(g, w)
+        else:
+            assert type(g) is type(w) and g == w
+
+
+def test_tuple_members_are_dropped_as_they_are_copied(
+    worker_side: _transport.FdChannel | None,
+) -> None:
+    ds = Recorded(lambda i: (torch.full((64, 64), float(i)), i))
+    images, labels = _worker.fetch_streamed(ds, list(range(32)))
+    assert images.is_shared() and images[:, 0, 0].tolist() == [float(i) for i in range(32)]
+    assert labels.tolist() == list(range(32))
+    assert ds.max_live <= 2
 
 
 def test_an_abandoned_pool_buffer_is_freed_at_the_tasks_end(
