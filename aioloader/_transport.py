@@ -265,9 +265,10 @@ POOL_SLOTS = 3
 
 #: A worker keeps more than one buffer only while they fit in this many bytes together: a
 #: buffer stays resident while the worker lives, in use or not. On the ``big`` workload (38.5 MB
-#: batches, 2 workers, batches built sample by sample, buffers handed back as the consumer
-#: drops them) 1 buffer gave 1.6x torch's throughput at 0.89-1.01x its peak memory (PSS of the
-#: process tree); 2 gave 2.3-3.2x at 1.11-1.25x; 3 gave 2.7-3.5x at 1.13-1.23x.
+#: batches, 2 workers, batches built sample by sample, buffers handed back as the consumer drops
+#: them; ``--quick``, shared 2-core machine) 1 buffer gave 1.3-1.9x torch's throughput at
+#: 0.85-1.10x its peak memory (PSS of the process tree); 2 gave 2.3-3.2x at 1.11-1.25x; 3 gave
+#: 2.7-3.5x at 1.13-1.23x; none (a fresh segment per batch) 1.0-1.7x at 0.77-0.86x.
 POOL_BYTES = 64 * 1024 * 1024
 
 
