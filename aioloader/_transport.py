@@ -29,6 +29,8 @@ import copyreg
 import ctypes
 import errno
 import io
+import itertools
+import math
 import mmap
 import os
 import pickle
@@ -101,8 +103,11 @@ class FdChannel:
         on the worker's pool of reused batch buffers; None leaves it off."""
         self.key = secrets.randbits(62)
         self.in_use = in_use
-        # Batches built in the worker's pool and still alive here: (storage, pool slot).
-        self._outstanding: list[tuple[Any, int]] = []
+        # Batches built in the worker's pool and still alive here: token -> (weak reference to
+        # the storage, pool slot). Whoever pops a token (the storage's finaliser or
+        # release_dropped, on any thread) frees the slot: dict.pop is atomic, so exactly once.
+        self._outstanding: dict[int, tuple[Any, int]] = {}
+        self._tokens = itertools.count()
         self.main_end, self.worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.main_end.setblocking(False)
         self._lock = threading.Lock()
@@ -116,28 +121,38 @@ class FdChannel:
         return (_WorkerEnd, (self.key, self.worker_end, self.in_use))
 
     def track_pooled(self, storage: torch.UntypedStorage, slot: int) -> None:
-        """``storage`` maps the worker's pool buffer ``slot``: free it once no tensor uses it."""
+        """``storage`` maps the worker's pool buffer ``slot``: free it once no tensor uses it.
+
+        The slot is freed the moment the last tensor or view of ``storage`` in this process goes
+        (a finaliser on the storage, run by whichever thread drops it), so the worker's next
+        batch can reuse it; :meth:`release_dropped` is the fallback if the finaliser cannot
+        tell (see :func:`_sole_holder_count`).
+        """
         ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-        with self._lock:
-            self._outstanding.append((ref, slot))
+        token = next(self._tokens)
+        self._outstanding[token] = (ref, slot)
+        limit = _sole_holder_count()
+        if limit >= 0:
+            # Not a bound method: a batch kept after aclose() must not keep the channel alive.
+            fin = weakref.finalize(
+                storage, _release_if_sole, self._outstanding, self.in_use, token, limit
+            )
+            fin.atexit = False  # at exit the batch may still be alive: nothing to hand back
 
     def release_dropped(self) -> None:
         """Hand back to the worker every pool buffer no tensor of this process uses any more.
 
-        Called with every result received: a buffer the consumer dropped is reusable from the
-        worker's next batch on. A storage's weak reference expires only once every tensor and
-        view of it is gone, so a buffer is never rewritten while anything here can read it.
+        A storage's weak reference expires only once every tensor and view of it is gone, so a
+        buffer is never rewritten while anything here can read it. Called with every result
+        received, as a fallback: the storages' finalisers normally hand buffers back sooner.
         """
-        with self._lock:
-            if not self._outstanding or self.in_use is None:
-                return
-            alive = []
-            for ref, slot in self._outstanding:
-                if ref.expired():
-                    self.in_use[slot] = 0
-                else:
-                    alive.append((ref, slot))
-            self._outstanding = alive
+        in_use = self.in_use
+        if in_use is None:
+            return
+        # list() copies in one step under the GIL; finalisers may pop entries meanwhile.
+        for token, (ref, slot) in list(self._outstanding.items()):
+            if ref.expired() and self._outstanding.pop(token, None) is not None:
+                in_use[slot] = 0
 
     def close_worker_end(self) -> None:
         """Close the main process's copy of the worker's end, once the worker has started."""
@@ -204,12 +219,63 @@ class FdChannel:
 
 _channels: weakref.WeakValueDictionary[int, FdChannel] = weakref.WeakValueDictionary()
 
+_sole_holder: int | None = None
 
-#: Reused batch buffers per worker. A batch that finds none free (the consumer holds them all)
-#: is collated into a fresh segment, as torch does. The buffers stay resident while the workers
-#: live: on the ``big`` workload (38.5 MB batches, 2 workers) 3 buffers gave 2.1-3.0x torch's
-#: throughput at 1.3x its peak memory; 4 gave 2.6-2.8x at 1.4-1.5x; 2 gave 2.1x at 1.3x.
+
+def _sole_holder_count() -> int:
+    """The use count a storage shows, while a finaliser on its Python object runs, when nothing
+    else holds it; -1 if this torch calls such a finaliser while tensors still hold the storage.
+
+    torch keeps one Python object per storage alive for as long as any tensor uses it, so a
+    finaliser on it runs only once the storage itself is being freed. Whether that object still
+    counts its own reference while its finalisers run differs between torch versions, so it is
+    measured once: a finaliser that sees at most this count is the storage's last holder.
+    """
+    global _sole_holder
+    if _sole_holder is None:
+        seen: list[int] = []
+        probe = torch.UntypedStorage(8)  # type: ignore[no-untyped-call]
+        ref = StorageWeakRef(probe)  # type: ignore[no-untyped-call]
+        use_count = torch._C._storage_Use_Count
+        weakref.finalize(probe, lambda: seen.append(use_count(ref.cdata)))
+        view = torch.empty(0, dtype=torch.uint8).set_(probe, 0, (8,), (1,))
+        del probe
+        early = bool(seen)  # the finaliser ran while a tensor still held the storage
+        del view
+        _sole_holder = seen[0] if seen and not early and seen[0] <= 1 else -1
+    return _sole_holder
+
+
+def _release_if_sole(
+    outstanding: dict[int, tuple[Any, int]], in_use: Any, token: int, limit: int
+) -> None:
+    # A storage's finaliser: free its pool slot if nothing else holds the storage any more.
+    # Runs on whichever thread dropped the last tensor, possibly inside garbage collection, so
+    # it takes no lock.
+    entry = outstanding.get(token)
+    if entry is None or torch._C._storage_Use_Count(entry[0].cdata) > limit:
+        return
+    if outstanding.pop(token, None) is not None:
+        in_use[entry[1]] = 0
+
+
+#: Reused batch buffers per worker, at most. A batch that finds none free (the consumer and the
+#: queue hold them all) is collated into a fresh segment, as torch does.
 POOL_SLOTS = 3
+
+#: A worker keeps more than one buffer only while they fit in this many bytes together: a
+#: buffer stays resident while the worker lives, in use or not. On the ``big`` workload (38.5 MB
+#: batches, 2 workers, batches built sample by sample, buffers handed back as the consumer drops
+#: them; ``--quick``, shared 2-core machine) 1 buffer gave 1.3-1.9x torch's throughput at
+#: 0.85-1.10x its peak memory (PSS of the process tree); 2 gave 2.3-3.2x at 1.11-1.25x; 3 gave
+#: 2.7-3.5x at 1.13-1.23x; none (a fresh segment per batch) 1.0-1.7x at 0.77-0.86x.
+POOL_BYTES = 64 * 1024 * 1024
+
+
+def pool_slots(nbytes: int) -> int:
+    """How many buffers of ``nbytes`` a worker keeps: 1 to :data:`POOL_SLOTS`, within
+    :data:`POOL_BYTES` when more than one."""
+    return max(1, min(POOL_SLOTS, POOL_BYTES // max(nbytes, 1)))
 
 
 class _WorkerEnd:
@@ -229,21 +295,31 @@ class _WorkerEnd:
         in_use = self.in_use
         if in_use is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":  # type: ignore[no-untyped-call]
             return None
-        free = [i for i in range(POOL_SLOTS) if not in_use[i]]
+        usable = pool_slots(nbytes)
+        for i in range(usable, POOL_SLOTS):
+            if self.pool[i] is not None and not in_use[i]:
+                # Kept for smaller batches: over the budget at this size, so give its memory back.
+                self._drop(i)
+        free = [i for i in range(usable) if not in_use[i]]
         if not free:
             return None
         fits = [i for i in free if (st := self.pool[i]) is not None and st.nbytes() >= nbytes]
         slot = fits[0] if fits else free[0]
         storage = self.pool[slot]
         if storage is None or storage.nbytes() < nbytes:
-            if storage is not None:
-                del self.slot_of[storage.data_ptr()]
+            self._drop(slot)
             storage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
             self.pool[slot] = storage
             self.slot_of[storage.data_ptr()] = slot
         in_use[slot] = 1
         self.unsent.append(slot)
         return storage
+
+    def _drop(self, slot: int) -> None:
+        storage = self.pool[slot]
+        if storage is not None:
+            del self.slot_of[storage.data_ptr()]
+            self.pool[slot] = None
 
     def release_unsent(self) -> None:
         """Free the buffers acquired for a task whose result did not go out through the channel."""
@@ -331,7 +407,8 @@ def _rebuild_channel_tensor(
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
-def _is_plain_cpu_tensor(t: torch.Tensor) -> bool:
+def is_plain_cpu_tensor(t: torch.Tensor) -> bool:
+    """A dense CPU tensor of torch's own type, not needing grad, not quantized."""
     return (
         type(t) is torch.Tensor
         and t.device.type == "cpu"
@@ -366,10 +443,12 @@ class _TensorReducer:
         self.fds: list[int] = []
         self._slots: dict[int, int] = {}
         self._keep: list[torch.UntypedStorage] = []  # each fd stays open until sent
+        #: The worker's pool buffers (slots) among them.
+        self.pool_slots: set[int] = set()
 
     def __call__(self, t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         nbytes = t.numel() * t.element_size()
-        plain = _is_plain_cpu_tensor(t)
+        plain = is_plain_cpu_tensor(t)
         if nbytes < INLINE_TENSOR_BYTES and plain:
             # A conjugated or negated view is lazy: its memory holds the values before the flip,
             # and contiguous() keeps the flag. Materialise it, or the raw bytes would be wrong.
@@ -396,6 +475,9 @@ class _TensorReducer:
                 self.fds.append(fd)
                 self._keep.append(storage)
             if slot is not None:
+                pool_slot = channel.slot_of.get(storage.data_ptr(), -1)
+                if pool_slot >= 0:
+                    self.pool_slots.add(pool_slot)
                 return _rebuild_channel_tensor, (
                     channel.key,
                     self._tag,
@@ -405,7 +487,7 @@ class _TensorReducer:
                     tuple(t.shape),
                     t.stride(),
                     t.storage_offset(),
-                    channel.slot_of.get(storage.data_ptr(), -1),
+                    pool_slot,
                 )
         pool = channel or self._pool
         if (
@@ -440,8 +522,10 @@ def dumps_result(obj: object, tag: tuple[int, int] = (-1, -1)) -> bytes:
     if reducer.fds:
         assert channel is not None
         if channel.send(tag, reducer.fds):
-            # The main process frees the pool buffers of this result (FdChannel.release_dropped).
-            channel.unsent.clear()
+            # The main process frees the pool buffers this result carries (track_pooled); any
+            # other buffer taken for this task (a streamed batch given up for default_collate)
+            # stays in ``unsent`` for release_unsent().
+            channel.unsent = [s for s in channel.unsent if s not in reducer.pool_slots]
         else:
             # The channel is full or gone: pickle again the way torch does.
             data = _dumps(obj, _TensorReducer(None, tag, pool=channel))
@@ -451,20 +535,43 @@ def dumps_result(obj: object, tag: tuple[int, int] = (-1, -1)) -> bytes:
 def collate_into_pool(batch: list[torch.Tensor]) -> torch.Tensor | None:
     """In a worker: ``torch.stack(batch)`` into a reused pool buffer, or None if there is none
     (no channel, all buffers in use, or tensors that are not plain CPU tensors)."""
-    channel = _worker_channel
     elem = batch[0]
-    if channel is None or channel.in_use is None or not all(_is_plain_cpu_tensor(x) for x in batch):
+    if not all(is_plain_cpu_tensor(x) for x in batch):
         return None
-    shape = (len(batch), *elem.shape)
-    numel = len(batch) * elem.numel()
-    storage = channel.acquire(numel * elem.element_size())
+    out = pool_buffer((len(batch), *elem.shape), elem.dtype)
+    if out is None:
+        return None
+    return torch.stack(batch, 0, out=out)
+
+
+def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """In a worker: an uninitialised contiguous CPU tensor in one of its free pool buffers, or
+    None (no pool, or every buffer in use). A buffer not sent with the task's result is freed
+    at the task's end (:func:`release_unsent`)."""
+    channel = _worker_channel
+    if channel is None or channel.in_use is None:
+        return None
+    storage = channel.acquire(math.prod(shape) * dtype.itemsize)
     if storage is None:
         return None
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
+
+
+def batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """In a worker: :func:`pool_buffer`, else a fresh shared-memory segment (what
+    ``default_collate`` stacks into in a worker)."""
+    out = pool_buffer(shape, dtype)
+    if out is None:
+        storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)  # type: ignore[no-untyped-call]
+        out = torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
+    return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         stride[i] = stride[i + 1] * shape[i + 1]
-    out = torch.empty(0, dtype=elem.dtype).set_(storage, 0, shape, tuple(stride))
-    return torch.stack(batch, 0, out=out)
+    return tuple(stride)
 
 
 def release_unsent() -> None:

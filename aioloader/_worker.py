@@ -273,6 +273,8 @@ class _State:
     fetcher: Any = None
     dataset: Any = None
     collate_fn: Any = None
+    #: Map-style batches with default_collate in a process worker: see fetch_streamed().
+    streamed: bool = False
     init_error: RemoteError | None = None
     epoch: int = -1
     spec: WorkerSpec | None = None
@@ -349,6 +351,98 @@ _COLLATE_FN_MAP = {**torch_collate.default_collate_fn_map, torch.Tensor: _collat
 def _default_collate_small_inline(batch: Any) -> Any:
     """``default_collate`` with :func:`_collate_tensors`: same output, no segment for small ones."""
     return torch_collate.collate(batch, collate_fn_map=_COLLATE_FN_MAP)
+
+
+def _streamable(sample: object) -> bool:
+    # What fetch_streamed copies straight into a batch; anything else goes to default_collate.
+    # Lazy conjugate/negative views too: torch's collation in a worker fails on them, and copy_
+    # would quietly succeed.
+    return (
+        isinstance(sample, torch.Tensor)
+        and _transport.is_plain_cpu_tensor(sample)
+        and not sample.is_nested
+        and not sample.is_conj()
+        and not sample.is_neg()
+    )
+
+
+def fetch_streamed(dataset: Any, indices: list[Any] | tuple[Any, ...]) -> Any:
+    """``default_collate([dataset[i] for i in indices])`` in a worker, large tensors copied into
+    the batch as soon as each sample is read.
+
+    Applies when the samples are plain CPU tensors, or tuples holding some (``(image, label)``),
+    whose batch is too large to travel inline: each such tensor is copied into its batch buffer
+    and dropped, so the worker never holds the samples and the batch at once (torch's worker
+    does, twice a batch at its peak). The other members of a tuple are kept and collated at the
+    end. The dataset sees the same calls in the same order, and the batch is bit-identical to
+    ``default_collate``'s in a worker (contiguous, in shared memory; for tuples a list, as
+    there). At the first sample that does not fit the first one's layout (another shape, dtype
+    or length, not a plain tensor) every sample goes to ``default_collate`` instead, the ones
+    already copied rebuilt from views of the batch, so its result, or its exception, is the one
+    it gives without streaming.
+    """
+    collate = _default_collate_small_inline
+    n = len(indices)
+    if n == 0:
+        return collate([])
+    it = iter(indices)
+    first = dataset[next(it)]
+    in_tuple = type(first) is tuple
+    members = first if in_tuple else (first,)
+    # Per member: its batch buffer if it is streamed, else None (kept, collated at the end).
+    bufs: list[torch.Tensor | None] = [
+        _transport.batch_buffer((n, *m.shape), m.dtype)
+        if _streamable(m) and n * m.numel() * m.element_size() >= _transport.INLINE_TENSOR_BYTES
+        else None
+        for m in members
+    ]
+    if all(b is None for b in bufs):
+        return collate([first, *(dataset[i] for i in it)])
+    kept: list[list[Any]] = [[] for _ in bufs]
+
+    def fits(sample: Any) -> bool:
+        if in_tuple and (type(sample) is not tuple or len(sample) != len(bufs)):
+            return False
+        return all(
+            b is None or (_streamable(m) and m.shape == b.shape[1:] and m.dtype == b.dtype)
+            for b, m in zip(bufs, sample if in_tuple else (sample,), strict=True)
+        )
+
+    def rebuilt(k: int) -> Any:  # sample k as default_collate would have had it
+        got = [kept[j][k] if b is None else b[k] for j, b in enumerate(bufs)]
+        return tuple(got) if in_tuple else got[0]
+
+    sample = first
+    del first, members
+    for k in range(n):
+        if k:
+            sample = dataset[next(it)]
+            if not fits(sample):
+                # A pool buffer taken here is freed at the task's end (release_unsent): only
+                # tensors of the result are sent to the main process.
+                done = [rebuilt(j) for j in range(k)]
+                return collate([*done, sample, *(dataset[i] for i in it)])
+        for j, (b, m) in enumerate(zip(bufs, sample if in_tuple else (sample,), strict=True)):
+            if b is None:
+                kept[j].append(m)
+            else:
+                b[k].copy_(m)
+        del sample
+    if not in_tuple:
+        return bufs[0]
+    # default_collate collates each member's samples as a tuple, in order.
+    return [collate(tuple(kept[j])) if b is None else b for j, b in enumerate(bufs)]
+
+
+def _streams(indices: Any) -> bool:
+    # torch's map-style fetcher with default_collate, as fetch_streamed replaces it: a dataset
+    # with __getitems__ reads a batch at once, and other index containers go to torch as is.
+    dataset = _state.dataset
+    return (
+        _state.streamed
+        and isinstance(indices, list | tuple)
+        and not (hasattr(dataset, "__getitems__") and dataset.__getitems__)
+    )
 
 
 def _collate_tensors_no_shm(
@@ -465,6 +559,11 @@ def setup(
         if collate_fn is torch_collate.default_collate:
             collate_fn = _default_collate_small_inline if shm_collate else _default_collate_no_shm
         _state.collate_fn = collate_fn
+        _state.streamed = (
+            not spec.is_iterable
+            and spec.auto_collation
+            and collate_fn is _default_collate_small_inline
+        )
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
         if not spec.is_iterable:
@@ -530,6 +629,8 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
             state = capture_state(_state.fetcher, _state.dataset)
         elif isinstance(indices, Samples):
             batch = _state.dataset.collate(indices, _state.collate_fn, spec.auto_collation)
+        elif _streams(indices):
+            batch = fetch_streamed(_state.dataset, indices)
         else:
             batch = _state.fetcher.fetch(indices)
         try:

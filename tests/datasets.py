@@ -52,6 +52,19 @@ class BigDataset(Dataset[torch.Tensor]):
         return torch.full(self.shape, float(i))
 
 
+class MisfitAt(BigDataset):
+    """:class:`BigDataset` whose sample ``misfit`` is one column wider: its batch cannot stack."""
+
+    def __init__(self, n: int, shape: tuple[int, ...], misfit: int) -> None:
+        super().__init__(n, shape)
+        self.misfit = misfit
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.misfit:
+            return torch.full((*self.shape[:-1], self.shape[-1] + 1), float(i))
+        return super().__getitem__(i)
+
+
 class GetItemsDataset(RangeDataset):
     """Defines ``__getitems__``: torch fetches whole batches through it."""
 
