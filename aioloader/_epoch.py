@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any
 from . import _transport, _worker
 from ._backend import Backend, Direct
 from ._consumer import Consumer, Failure
-from ._errors import EpochEndedError
+from ._errors import EpochEndedError, emfile_error
 from ._phase import TERMINAL, Phase
-from ._recovery import Recovery
+from ._recovery import Recovery, start_error, start_failure
 from ._reorder import ReorderBuffer
 from ._resume import Progress
 from ._scheduler import Flight, run_scheduler
@@ -237,8 +237,10 @@ class Epoch:
         healthy = self.phase is Phase.FINISHED or (
             self.phase is Phase.ENDED and self._ended_from is Phase.RUNNING
         )
-        if healthy and self._worker_died():
-            healthy = False  # a death not handled yet: the next epoch must not inherit it
+        if healthy and (self._worker_died() or start_error(self.backend) is not None):
+            # A death not handled yet, or workers that could not start: the next epoch must
+            # not inherit it. (A start failing later is reported to the next epoch by watch().)
+            healthy = False
         if healthy:
             self.loader._persistent_pool_kept(busy=bool(self.in_flight))
             self.backend = None  # the loader keeps it
@@ -447,8 +449,7 @@ class Epoch:
         if self.terminal or gen != self.generation:
             return
         if error is not None:
-            is_emfile = isinstance(error, OSError) and error.errno == errno.EMFILE
-            self.fail(emfile_error(error) if is_emfile else error)
+            self.fail(start_failure(error))
             return
         self._watch()  # the new workers' sentinels too
 
@@ -466,17 +467,6 @@ class Epoch:
 
 class Lost(Failure):
     """A batch whose shared memory could not be received: a crash if its worker is dead."""
-
-
-def emfile_error(exc: BaseException) -> RuntimeError:
-    err = RuntimeError(
-        "Too many open files: each batch in shared memory holds a file descriptor until it is "
-        "freed. Raise the limit (`ulimit -n 65536` in the shell, or resource.setrlimit("
-        "resource.RLIMIT_NOFILE, ...)), keep fewer batches alive, or call "
-        "torch.multiprocessing.set_sharing_strategy('file_system') at the start of the program."
-    )
-    err.__cause__ = exc
-    return err
 
 
 def receive(fut: Future[Any]) -> Any:

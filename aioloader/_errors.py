@@ -83,3 +83,15 @@ def _rebuild_crashed(
     indices: object,
 ) -> WorkerCrashedError:
     return cls(message, worker_id=worker_id, exitcode=exitcode, indices=indices)
+
+
+def emfile_error(exc: BaseException) -> RuntimeError:
+    """The error for running out of file descriptors (EMFILE), saying how to fix it."""
+    err = RuntimeError(
+        "Too many open files: each batch in shared memory holds a file descriptor until it is "
+        "freed. Raise the limit (`ulimit -n 65536` in the shell, or resource.setrlimit("
+        "resource.RLIMIT_NOFILE, ...)), keep fewer batches alive, or call "
+        "torch.multiprocessing.set_sharing_strategy('file_system') at the start of the program."
+    )
+    err.__cause__ = exc
+    return err

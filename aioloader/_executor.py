@@ -171,6 +171,7 @@ class WorkerPool:
         self._grower: threading.Thread | None = None
         self._growing = False
         self._on_grown: Callable[[BaseException | None], None] | None = None
+        self._grow_error: BaseException | None = None
         self._stop_growing = threading.Event()
 
     @classmethod
@@ -270,45 +271,65 @@ class WorkerPool:
         )
 
     def _grow(self, wave: int) -> None:
-        """Runs in: the grower thread. Start the second wave once the first one is up."""
+        """Runs in: the grower thread. Start the second wave once the first one is up.
+
+        Starts no process while holding a lock the event loop takes (``watch``, the executors'
+        own): the loop never waits for a process start.
+        """
         error: BaseException | None = None
+        stopping = self._stop_growing.is_set
         try:
             first = [p.sentinel for _, p in self._workers]
             # Up: its initializer is done (imports, dataset, worker_init_fn), so the next
             # workers' start-up no longer competes with it for a core.
             while sum(self._ready_slots) < wave:
-                if self._stop_growing.is_set():
+                if stopping():
                     return
                 if multiprocessing.connection.wait(first, 0.01):
                     return  # one died: crash handling replaces the whole pool
-            with self._grow_lock:
-                if self._stop_growing.is_set():
-                    return
-                if self._per_worker:
-                    for ex in self._executors[wave:]:
-                        ex.start_workers()
-                elif not self._executors[0].grow():
-                    return  # broken: crash handling replaces the whole pool
-                for ch in self._channels:
-                    ch.close_worker_end()
-                self._capture_internals()
-        except BaseException as exc:  # a process that could not start (EMFILE, say)
+            if self._per_worker:
+                for ex in self._executors[wave:]:
+                    if stopping():
+                        return
+                    ex.start_workers()
+            elif not self._executors[0].grow(stopping):
+                return  # broken or stopping: crash handling or the shutdown takes it from here
+            for ch in self._channels:
+                ch.close_worker_end()
+        except BaseException as exc:  # a process or thread that could not start (EMFILE, say)
             error = exc
+            # Tasks already queued for workers that will never start fail now (the epoch then
+            # handles a crash and reports this error), so nothing waits for them forever.
+            for ex in self._executors:
+                ex.fail_unstarted(exc)
         finally:
             with self._grow_lock:
+                self._capture_internals()  # whatever did start, for the shutdown to stop it
                 self._growing = False
+                self._grow_error = error
                 callback, self._on_grown = self._on_grown, None
-        if callback is not None and (error is not None or not self._stop_growing.is_set()):
+        if callback is not None and (error is not None or not stopping()):
             callback(error)
 
+    @property
+    def start_error(self) -> BaseException | None:
+        """Why workers of the second wave could not start, if they could not: the pool is
+        unusable (its owner fails the epoch with this error and does not reuse the pool)."""
+        return self._grow_error
+
     def watch(self, on_grown: Callable[[BaseException | None], None]) -> list[int]:
-        """The workers' sentinels now (as :meth:`sentinels`); if more workers are still to
+        """The workers' sentinels now (as :meth:`sentinels`). If more workers are still to
         start, ``on_grown`` is called once from another thread when they have (None) or could
-        not (the error). A later call replaces an earlier ``on_grown``."""
+        not (the error); if they already could not, it is called at once with the error. A
+        later call replaces an earlier ``on_grown``."""
         with self._grow_lock:
             if self._growing:
                 self._on_grown = on_grown
-            return self.sentinels()
+            error = self._grow_error
+            sentinels = self.sentinels()
+        if error is not None:
+            on_grown(error)
+        return sentinels
 
     def _new_executor(self, n: int, spec: _worker.WorkerSpec, counter: Any) -> Executor:
         return Executor(
@@ -396,18 +417,29 @@ class WorkerPool:
         are needed afterwards: to kill workers that do not exit, and to unblock and join a
         manager thread (see :func:`~aioloader._procpool.kill_executors`).
         """
+        # Added to what an earlier call kept (a second wave, a start that failed half-way),
+        # never replacing it: an executor forgets its processes once shut down.
         self._captured = True
-        self._workers = [
+        workers = list(self._workers)
+        workers += [
             (i if self._per_worker else -1, p)
             for i, ex in enumerate(self._executors)
             for p in ex.processes()
+            if all(p is not q for _, q in workers)
         ]
-        self._procs = [p for _, p in self._workers]
-        self._manager_threads = [
-            t for ex in self._executors if (t := getattr(ex, "_executor_manager_thread", None))
+        self._workers = workers
+        self._procs = [p for _, p in workers]
+        self._manager_threads += [
+            t
+            for ex in self._executors
+            if (t := getattr(ex, "_executor_manager_thread", None))
+            and t not in self._manager_threads
         ]
-        self._result_queues = [
-            q for ex in self._executors if (q := getattr(ex, "_result_queue", None)) is not None
+        self._result_queues += [
+            q
+            for ex in self._executors
+            if (q := getattr(ex, "_result_queue", None)) is not None
+            and all(q is not r for r in self._result_queues)
         ]
 
     def sentinels(self) -> list[int]:
@@ -418,7 +450,12 @@ class WorkerPool:
         """No second wave starts from now on; one under way finishes first (it is short)."""
         self._stop_growing.set()
         grower = self._grower
-        if grower is not None and grower is not threading.current_thread():
+        # Not started (its start failed, or is still to come): it will see the stop at once.
+        if (
+            grower is not None
+            and grower.ident is not None
+            and grower is not threading.current_thread()
+        ):
             grower.join()
 
     def _shutdown_sync(self, graceful: bool) -> None:
@@ -458,8 +495,9 @@ class WorkerPool:
                 self._kill_locked()
 
     def _kill_locked(self) -> None:
-        if not self._captured:  # the start failed or was abandoned half-way
-            self._capture_internals()
+        # Also after the start failed or was abandoned half-way, and whatever a second wave
+        # started (the grower was joined before): every process, thread and queue there is.
+        self._capture_internals()
         try:
             kill_executors(
                 self._executors,

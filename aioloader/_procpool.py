@@ -36,13 +36,18 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import InvalidStateError, ProcessPoolExecutor
 from concurrent.futures import process as _process
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 __all__ = ("Executor", "kill_executors", "quiet_fork_warning")
+
+
+class _GiveUp(Exception):
+    """Executor.grow: the pool broke or shut down, or the caller stopped, while it started."""
+
 
 _logger = logging.getLogger(__name__)
 
@@ -158,17 +163,63 @@ class Executor(ProcessPoolExecutor):
             self._deferred = False
             self._start_executor_manager_thread()
 
-    def grow(self) -> bool:
-        """Start the processes :meth:`start_workers` left out; False if the pool broke or shut
-        down meanwhile (nothing started)."""
+    def grow(self, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Start the processes :meth:`start_workers` left out, off the executor's lock; False if
+        the pool broke or shut down meanwhile, or ``stop()`` turned true (those it started are
+        killed then).
+
+        ``submit()`` on the event loop takes the executor's lock, so the processes are started
+        without it and added afterwards in one step, as a new dict (copy on write): the manager
+        thread may be iterating the old one (Python 3.11 does so without the lock while it tears
+        down a broken pool).
+        """
         with self._shutdown_lock:
             if self._broken or self._shutdown_thread:
                 return False
-            while len(self._processes) < self._max_workers:  # type: ignore[attr-defined]
-                self._spawn_process()  # type: ignore[attr-defined]
-            # The manager thread lists the processes' sentinels afresh each time it wakes.
-            self._executor_manager_thread_wakeup.wakeup()
+            missing = self._max_workers - len(self._processes)  # type: ignore[attr-defined]
+        started: list[BaseProcess] = []
+        try:
+            for _ in range(missing):
+                if stop():
+                    break
+                started.append(self._new_process())
+            with self._shutdown_lock:
+                if stop() or self._broken or self._shutdown_thread:
+                    raise _GiveUp
+                procs: Any = dict(self._processes)
+                procs.update((p.pid, p) for p in started)
+                self._processes = procs
+                thread: Any = self._executor_manager_thread
+                if thread is not None:
+                    thread.processes = procs
+                # It lists the processes' sentinels afresh each time it wakes.
+                self._executor_manager_thread_wakeup.wakeup()
+        except BaseException as exc:
+            for p in started:
+                with contextlib.suppress(Exception):
+                    p.kill()
+                    p.join()
+            if isinstance(exc, _GiveUp):
+                return False
+            raise
         return True
+
+    def _new_process(self) -> BaseProcess:
+        """One worker process, started, not yet one of the executor's (CPython's
+        ``_spawn_process`` without the registration; the same in 3.11, 3.12 and 3.13)."""
+        ctx: Any = self._mp_context
+        p: BaseProcess = ctx.Process(
+            target=_process._process_worker,
+            args=(
+                self._call_queue,  # type: ignore[attr-defined]
+                self._result_queue,
+                self._initializer,
+                self._initargs,
+                self._max_tasks_per_child,  # type: ignore[attr-defined]
+            ),
+        )
+        p.start()
+        return p
 
     def _adjust_process_count(self) -> None:
         # CPython starts a process here, on the thread calling submit() (the event loop), when no
@@ -179,13 +230,29 @@ class Executor(ProcessPoolExecutor):
     def _start_executor_manager_thread(self) -> None:
         if self._deferred:
             return  # submit() before start_workers(): the task waits in _pending_work_items
-        super()._start_executor_manager_thread()
-        thread: Any = self._executor_manager_thread
-        if type(thread) is _process._ExecutorManagerThread:
-            # Swapped right after the thread starts and before any task was submitted, so
-            # before a cancelled task can be pending when a worker dies, and before a worker
-            # with a SIGTERM handler of user code can be running.
-            thread.__class__ = _ManagerThread
+        if self._executor_manager_thread is None:
+            # CPython's own, with our thread class from the start: tasks may already be queued
+            # when it starts (deferred executors), and a worker may die at once.
+            if not self._safe_to_dynamically_spawn_children:
+                self._launch_processes()
+            thread = _ManagerThread(self)
+            self._executor_manager_thread = thread
+            thread.start()
+            _process._threads_wakeups[thread] = self._executor_manager_thread_wakeup
+
+    def fail_unstarted(self, cause: BaseException) -> None:
+        """Workers that were to start later could not: an executor that never started fails the
+        tasks queued for it with ``BrokenProcessPool`` (its owner then handles a crash), and
+        takes no more."""
+        with self._shutdown_lock:
+            if not self._deferred:
+                return
+            self._broken = f"its worker process could not be started: {cause!r}"  # type: ignore[assignment]
+            self._shutdown_thread = True
+            items = list(self._pending_work_items.values())
+        for item in items:
+            with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                item.future.set_exception(_process.BrokenProcessPool(self._broken))
 
     def close_unstarted(self) -> None:
         """Release an executor whose workers were never started: cancel the tasks queued for it

@@ -21,20 +21,22 @@ persistent worker that dies on an abandoned epoch's batch is not blamed on this 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import warnings
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from ._errors import PoisonBatchError, WorkerCrashedError
+from ._errors import PoisonBatchError, WorkerCrashedError, emfile_error
 from ._executor import CrashReport
 from ._phase import Phase
 from ._threads import run_off_loop
 
 if TYPE_CHECKING:
+    from ._backend import Backend
     from ._epoch import Epoch
 
-__all__ = ("Recovery",)
+__all__ = ("Recovery", "start_error", "start_failure")
 
 _logger = logging.getLogger(__name__)
 
@@ -72,6 +74,13 @@ class Recovery:
                 self._again = False
                 backend = ep.backend
                 assert backend is not None
+                error = start_error(backend)
+                if error is not None:
+                    # Not a crash: workers of the pool's second wave could not be started
+                    # (their queued batches failed with BrokenProcessPool). A new pool would
+                    # most likely fail the same way.
+                    ep.fail(start_failure(error))
+                    return
                 report: CrashReport = await run_off_loop(backend.crash_report, name="diagnose")
                 err = self._crash_error(report)
                 if err is not None:
@@ -180,3 +189,16 @@ class Recovery:
                 **common,
             )
         return None
+
+
+def start_error(backend: Backend) -> BaseException | None:
+    """Why some of ``backend``'s workers could not start (a pool starting in waves), if so."""
+    error: BaseException | None = getattr(backend, "start_error", None)
+    return error
+
+
+def start_failure(error: BaseException) -> BaseException:
+    """The error an epoch fails with when workers could not start."""
+    if isinstance(error, OSError) and error.errno == errno.EMFILE:
+        return emfile_error(error)
+    return error

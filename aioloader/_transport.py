@@ -149,8 +149,10 @@ class FdChannel:
         in_use = self.in_use
         if in_use is None:
             return
-        # list() copies in one step under the GIL; finalisers may pop entries meanwhile.
-        for token, (ref, slot) in list(self._outstanding.items()):
+        # Finalisers may pop entries meanwhile, on any thread or inside a garbage collection.
+        # dict.copy() copies in one step that allocates no object per entry, so no collection
+        # (Python 3.11 may run one on any allocation) can change the dict half-way through it.
+        for token, (ref, slot) in self._outstanding.copy().items():
             if ref.expired() and self._outstanding.pop(token, None) is not None:
                 in_use[slot] = 0
 

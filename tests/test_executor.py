@@ -29,6 +29,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from aioloader import AsyncDataLoader, _executor, _transport, _worker
 from aioloader._executor import CrashReport, WorkerPool
+from aioloader._procpool import Executor
 from aioloader._threads import run_off_loop
 from tests.conftest import worker_processes
 
@@ -238,6 +239,15 @@ def process_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         time.sleep(0.5)
 
     monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", slow_spawn)
+    new_process = Executor._new_process  # a shared pool's second wave
+
+    def slow_new_process(self: Executor) -> Any:
+        p = new_process(self)
+        starts.append(threading.current_thread().name)
+        time.sleep(0.5)
+        return p
+
+    monkeypatch.setattr(Executor, "_new_process", slow_new_process)
     return starts
 
 
@@ -448,6 +458,45 @@ async def test_second_wave_start_failure_fails_the_epoch(
             async with asyncio.timeout(60):
                 async for _ in loader:
                     pass
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+async def test_second_wave_failing_after_its_epoch_ended_fails_the_next_one(
+    monkeypatch: pytest.MonkeyPatch, wave_of_one: None
+) -> None:
+    """A persistent pool kept by an abandoned epoch whose second wave then fails: the next
+    epoch fails with that error instead of waiting for workers that never start, and the one
+    after it gets a fresh pool."""
+    gate = threading.Event()
+    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
+
+    def gated(self: ProcessPoolExecutor) -> None:
+        if threading.current_thread().name == "aioloader-start-rest":
+            gate.wait(60)
+            raise OSError(11, "Resource temporarily unavailable")
+        spawn(self)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", gated)
+    loader = AsyncDataLoader(
+        PidDataset(12),
+        batch_size=2,
+        num_workers=3,
+        multiprocessing_context="forkserver",
+        persistent_workers=True,
+    )
+    async with loader:
+        async with asyncio.timeout(90):
+            async for _ in loader:
+                break  # abandoned while running: the pool is kept, its second wave pending
+            first_pool = loader._persistent_pool
+            gate.set()
+            with pytest.raises(OSError, match="temporarily unavailable"):
+                async for _ in loader:
+                    pass
+            monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", spawn)
+            seen = [i for b in [b async for b in loader] for i in b[:, 0].tolist()]
+            assert seen == list(range(12))
+            assert loader._persistent_pool is not first_pool
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
