@@ -298,6 +298,9 @@ class WorkerPool:
                 ch.close_worker_end()
         except BaseException as exc:  # a process or thread that could not start (EMFILE, say)
             error = exc
+            with self._grow_lock:
+                # Before the tasks fail: the crash handling they set off reads it.
+                self._grow_error = exc
             # Tasks already queued for workers that will never start fail now (the epoch then
             # handles a crash and reports this error), so nothing waits for them forever.
             for ex in self._executors:

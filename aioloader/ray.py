@@ -241,13 +241,15 @@ def _actor_class() -> Any:
 
 
 class _Task:
-    __slots__ = ("epoch", "future", "indices", "send_idx")
+    __slots__ = ("epoch", "future", "indices", "resolved", "send_idx")
 
     def __init__(self, send_idx: int, indices: Any, epoch: int, future: Future[Any]) -> None:
         self.send_idx = send_idx
         self.indices = indices
         self.epoch = epoch
         self.future = future
+        #: Ray has told its outcome (set under the pool's lock).
+        self.resolved = False
 
 
 class RayCrashReport(CrashReport):
@@ -368,6 +370,7 @@ class RayPool:
         exc = inner.exception()
         outcome: Any = None
         with self._lock:
+            task.resolved = True
             if isinstance(exc, ray.exceptions.RayActorError):
                 self._actor_died(wid, exc)
                 outcome = BrokenProcessPool(f"Ray actor worker {wid} died")
@@ -414,12 +417,21 @@ class RayPool:
         while True:
             with self._lock:
                 dead = list(self._dead)
-            if dead or time.monotonic() > deadline:
+                # Ray reports the outcomes of one actor's calls on its own threads, in no fixed
+                # order: the call that failed may be told before an earlier one that succeeded.
+                # Once every call of the dead actor is told, the first one still listed (the
+                # successes are removed) is the one it was running.
+                running = self._running[dead[0][0]] if dead else deque()
+                settled = all(t.resolved for t in running)
+                head = running[0] if running else None
+            if (dead and settled) or time.monotonic() > deadline:
                 break
             time.sleep(0.005)
         if not dead:
             return CrashReport(None, None, None, None, None)
         wid, epoch, send_idx, cause = dead[0]
+        if settled:
+            epoch, send_idx = (head.epoch, head.send_idx) if head else (None, None)
         return RayCrashReport(
             wid, self._pids[wid], None, send_idx, epoch, cause=cause, host=self._hosts[wid]
         )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -394,3 +396,18 @@ class SlowPickleDataset(RangeDataset):
     def __getstate__(self) -> dict[str, Any]:
         time.sleep(self.delay)
         return self.__dict__
+
+
+@contextlib.contextmanager
+def playing_worker(pool: bool) -> Iterator[Any]:
+    """This process plays a worker: results go out on the channel it yields, with a pool of
+    reused batch buffers if ``pool``; the main side takes them from the same channel."""
+    from aioloader import _transport
+
+    ch = _transport.FdChannel(bytearray(_transport.POOL_SLOTS) if pool else None)
+    _transport.set_worker_channel(ch)
+    try:
+        yield ch
+    finally:
+        _transport.set_worker_channel(None)
+        ch.close()

@@ -60,16 +60,11 @@ def worker_side(
         "_worker_info",
         _worker.make_worker_info(id=0, num_workers=1, seed=0, dataset=None),
     )
-    ch = None
-    if request.param == "pool buffer":
-        ch = _transport.FdChannel(bytearray(_transport.POOL_SLOTS))
-        _transport.set_worker_channel(ch)
-    try:
+    if request.param != "pool buffer":
+        yield None
+        return
+    with datasets.playing_worker(pool=True) as ch:
         yield ch
-    finally:
-        _transport.set_worker_channel(None)
-        if ch is not None:
-            ch.close()
 
 
 def _bits(t: torch.Tensor) -> bytes:

@@ -22,13 +22,8 @@ BIG = (256, 512)  # 512 KiB of float32: above INLINE_TENSOR_BYTES, so it goes th
 @pytest.fixture
 def channel() -> Iterator[_transport.FdChannel]:
     """This process plays the worker: dumps_result sends on the channel, loads_result takes."""
-    ch = _transport.FdChannel()
-    _transport.set_worker_channel(ch)
-    try:
+    with datasets.playing_worker(pool=False) as ch:
         yield ch
-    finally:
-        _transport.set_worker_channel(None)
-        ch.close()
 
 
 @pytest.fixture
@@ -213,13 +208,8 @@ async def test_a_pool_buffer_is_never_rewritten_while_a_view_of_it_lives(
 @pytest.fixture
 def pool_channel() -> Iterator[_transport.FdChannel]:
     """:func:`channel` with a pool of reused buffers."""
-    ch = _transport.FdChannel(bytearray(_transport.POOL_SLOTS))
-    _transport.set_worker_channel(ch)
-    try:
+    with datasets.playing_worker(pool=True) as ch:
         yield ch
-    finally:
-        _transport.set_worker_channel(None)
-        ch.close()
 
 
 def _pooled_result(value: float) -> tuple[bytes, int]:
