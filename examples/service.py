@@ -131,6 +131,16 @@ class Trainer:
         if self.steps % self.snapshot_every == 0:
             self._publish(self.steps)
 
+    async def train_on(self, batch: tuple[torch.Tensor, torch.Tensor], where: str) -> None:
+        """Take one batch from either loader: a step on a thread (``where="thread"``), which
+        leaves the loop to the requests, or on the loop itself."""
+        if self.first_batch_at is None:
+            self.first_batch_at = time.perf_counter()
+        if where == "thread":
+            await asyncio.to_thread(self.step, batch)
+        else:
+            self.step(batch)
+
     def predict(self, x: torch.Tensor) -> tuple[float, int]:
         model, version = self.serving
         with torch.no_grad():
@@ -164,12 +174,7 @@ async def train_with_aioloader(
     ) as loader:
         while True:
             async for batch in loader:
-                if trainer.first_batch_at is None:
-                    trainer.first_batch_at = time.perf_counter()
-                if args.train_step == "thread":
-                    await asyncio.to_thread(trainer.step, batch)
-                else:
-                    trainer.step(batch)
+                await trainer.train_on(batch, args.train_step)
             trainer.epochs += 1
 
 
@@ -188,12 +193,7 @@ async def train_with_torch(
         it: Iterator[Any] = iter(loader)
         try:
             while (batch := await asyncio.to_thread(next, it, None)) is not None:
-                if trainer.first_batch_at is None:
-                    trainer.first_batch_at = time.perf_counter()
-                if args.train_step == "thread":
-                    await asyncio.to_thread(trainer.step, batch)
-                else:
-                    trainer.step(batch)
+                await trainer.train_on(batch, args.train_step)
         finally:
             # Shutting torch's workers down joins processes: not on the loop.
             await asyncio.to_thread(_shutdown_torch_iterator, it)

@@ -332,6 +332,25 @@ def simple(
     return throughput_rows(workload, label, res, unit)
 
 
+def aio_first_batches(ds: Dataset[Any], kwargs: dict[str, Any]) -> tuple[float, float]:
+    """Seconds to aioloader's first batch, then to epoch 2's first batch; both epochs drained."""
+
+    async def run() -> tuple[float, float]:
+        first = second = -1.0
+        t0 = time.perf_counter()
+        async with aio_class()(ds, **kwargs) as loader:
+            async for _ in loader:
+                if first < 0:
+                    first = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            async for _ in loader:
+                if second < 0:
+                    second = time.perf_counter() - t1
+        return first, second
+
+    return asyncio.run(run())
+
+
 def torch_first_batches(ds: Dataset[Any], kwargs: dict[str, Any]) -> tuple[float, float]:
     """Seconds to torch's first batch, then to epoch 2's first batch; both epochs drained."""
     t0 = time.perf_counter()

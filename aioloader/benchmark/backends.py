@@ -10,7 +10,6 @@ dataset, and the second epoch's first batch with persistent workers.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from aioloader.benchmark._harness import (
     Config,
     RoundResult,
     Row,
-    aio_class,
+    aio_first_batches,
     alternate,
     loader_kwargs,
     plan,
@@ -87,22 +86,9 @@ def _first_batches(
     kwargs: dict[str, Any] = {"batch_size": 64, "num_workers": workers, "persistent_workers": True}
     if name == TORCH:
         first, second = torch_first_batches(ds, kwargs)
-        return first, second * 1e3
-
-    async def aio() -> tuple[float, float]:
-        first = second = -1.0
-        t0 = time.perf_counter()
-        async with aio_class()(ds, executor=executors[name], **kwargs) as loader:
-            async for _ in loader:
-                if first < 0:
-                    first = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            async for _ in loader:
-                if second < 0:
-                    second = time.perf_counter() - t1
-        return first, second * 1e3
-
-    return asyncio.run(aio())
+    else:
+        first, second = aio_first_batches(ds, {**kwargs, "executor": executors[name]})
+    return first, second * 1e3
 
 
 def bench_backends(cfg: Config) -> list[Row]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -11,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -21,7 +19,7 @@ from aioloader.benchmark._harness import (
     SPDL,
     Config,
     Row,
-    aio_class,
+    aio_first_batches,
     ratio_check,
     torch_first_batches,
 )
@@ -67,22 +65,8 @@ def _measure_startup(ds: StartupDataset, spec: dict[str, Any]) -> tuple[float, f
         "persistent_workers": True,
     }
     if spec["loader"] == AIO:
-        return asyncio.run(_child_aio(ds, kwargs))
+        return aio_first_batches(ds, kwargs)
     return torch_first_batches(ds, kwargs)
-
-
-async def _child_aio(ds: Dataset[Any], kwargs: dict[str, Any]) -> tuple[float, float]:
-    first = second = -1.0
-    t0 = time.perf_counter()
-    async with aio_class()(ds, **kwargs) as loader:
-        async for _ in loader:
-            if first < 0:
-                first = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        async for _ in loader:
-            if second < 0:
-                second = time.perf_counter() - t1
-    return first, second
 
 
 def _zygote_main(entries: int) -> int:
