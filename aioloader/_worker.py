@@ -495,7 +495,10 @@ def init(
     ).start()
     atexit.register(_fast_exit)
     # Keyboard interrupts are the main process's to handle; a worker must not die of the same ^C.
+    # The pool started this process with SIGINT blocked (_procpool._sigint_blocked), so a ^C
+    # during its start-up is pending: ignoring the signal first discards it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     if spec.fixed_worker_id is not None:
         worker_id = spec.fixed_worker_id

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch.utils.data import Dataset
@@ -53,7 +54,10 @@ def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, loader:
     os.replace(tmp, path)  # a kill mid-write leaves the previous checkpoint whole
 
 
-async def train(args: argparse.Namespace) -> None:
+def restore(
+    args: argparse.Namespace,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, AsyncDataLoader[Any]]:
+    """The model, the optimizer and the loader, from the checkpoint if there is one."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
@@ -66,40 +70,54 @@ async def train(args: argparse.Namespace) -> None:
         generator=torch.Generator().manual_seed(0),
         seeding="batch",
     )
-    ckpt_path = Path(args.ckpt)
-    if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=True)
+    if Path(args.ckpt).exists():
+        ckpt = torch.load(args.ckpt, weights_only=True)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         loader.load_state_dict(ckpt["loader"])  # before the next `async for`
+    return model, opt, loader
+
+
+async def train(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    loader: AsyncDataLoader[Any],
+    log: TextIO | None,
+) -> None:
     # Where to go on: the epoch the saved position is in (0 for a fresh start; the next epoch
-    # for a state saved at an epoch's end), and how far into it.
+    # for a state saved at an epoch's end), and how many of its batches were trained on.
     state = loader.state_dict()
     start_epoch, step = state["epoch"], state["batches_delivered"]
     print(f"starting at epoch {start_epoch}, batch {step}", flush=True)
-    log = open(args.log, "a") if args.log else None  # noqa: SIM115 (closed below)
-    try:
-        async with loader:
-            for epoch in range(start_epoch, args.epochs):
-                async for batch in loader:
-                    loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    step += 1
-                    if log is not None:  # what was trained, for tests/test_examples.py
-                        log.write(f"{epoch} {step} {batch['index'].tolist()}\n")
-                        log.flush()
-                    if step % args.save_every == 0:
-                        save(ckpt_path, model, opt, loader)
-                save(ckpt_path, model, opt, loader)  # the state now points at the next epoch
-                print(f"epoch {epoch}: loss {loss.item():.5f}", flush=True)
-                step = 0
-    finally:
-        if log is not None:
-            log.close()
+    ckpt_path = Path(args.ckpt)
+    async with loader:
+        for epoch in range(start_epoch, args.epochs):
+            async for batch in loader:
+                loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+                if log is not None:  # what was trained, for tests/test_checkpoint_example.py
+                    log.write(f"{epoch} {step} {batch['index'].tolist()}\n")
+                    log.flush()
+                if step % args.save_every == 0:
+                    # On the loop, on purpose: the checkpoint must be of this very step, so
+                    # training waits for it (nothing else runs on this script's loop).
+                    save(ckpt_path, model, opt, loader)
+            save(ckpt_path, model, opt, loader)  # the state now points at the next epoch
+            print(f"epoch {epoch}: loss {loss.item():.5f}", flush=True)
+            step = 0
     w, b = model.weight.item(), model.bias.item()
     print(f"done: y = {w:.4f} x + {b:.4f} (true 2x - 1); weights {w!r} {b!r}", flush=True)
+
+
+def main(args: argparse.Namespace) -> None:
+    model, opt, loader = restore(args)
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(open(args.log, "a")) if args.log else None
+        asyncio.run(train(args, model, opt, loader, log))
 
 
 if __name__ == "__main__":
@@ -108,4 +126,4 @@ if __name__ == "__main__":
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--save-every", type=int, default=8, help="steps between checkpoints")
     parser.add_argument("--log", help="append each trained batch's indices to this file")
-    asyncio.run(train(parser.parse_args()))
+    main(parser.parse_args())
