@@ -20,6 +20,7 @@ import torch
 from aioloader.benchmark import backends
 from aioloader.benchmark._harness import (
     AIO,
+    AIO_OPTIONS,
     SPDL,
     TORCH,
     Config,
@@ -105,6 +106,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="batch size for --dataset")
     p.add_argument("--batches", type=int, default=50, help="timed batches per round, --dataset")
     p.add_argument(
+        "--worker-nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="aioloader's worker_nice for the run (default: the loader's own default)",
+    )
+    p.add_argument(
         "--background-load",
         type=int,
         default=0,
@@ -135,6 +143,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.worker_nice is not None:
+        AIO_OPTIONS["worker_nice"] = args.worker_nice
     aio_class()  # fail fast, before minutes of torch-only runs
     loaders = [TORCH, AIO] + ([SPDL] if spdl_available() else [])
     started = time.perf_counter()
@@ -176,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"\n{len(rows)} rows in {elapsed:.0f}s; workers={args.workers}, rounds={args.rounds}, "
         f"cpus={os.cpu_count()}, torch {torch.__version__}, "
-        f"background load {args.background_load}"
+        f"background load {args.background_load}, worker_nice "
+        f"{AIO_OPTIONS.get('worker_nice', 'default')}"
     )
     if loads:
         # Ratios taken while other processes kept cores busy are less reliable: say how busy.
@@ -188,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "argv": list(argv if argv is not None else sys.argv),
             "elapsed_s": elapsed,
             "background_load": args.background_load,
+            "aioloader_options": AIO_OPTIONS,
             "loaders": loaders,
             "other_load": {
                 name: {"others_cores": ld.others, "benchmark_cores": ld.ours, "cores": ld.cores}

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from aioloader._loader import AsyncDataLoader
-from aioloader.benchmark._harness import Config, Row, plan, ratio_check
+from aioloader.benchmark._harness import Config, Row, aio_class, plan, ratio_check
 from aioloader.benchmark._limit import LIMIT, bare_round_trip
 from aioloader.benchmark.tiny import fraction_of_limit
 
@@ -134,7 +134,7 @@ async def _latencies_aio(
 ) -> tuple[list[float], float]:
     lat: list[float] = []
     loader: AsyncDataLoader[Any]
-    async with AsyncDataLoader(
+    async with aio_class()(
         PacedSource(n, rate),
         batch_size=batch_size,
         num_workers=workers,
