@@ -14,6 +14,7 @@ Two shapes, chosen by the loader:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing.connection
@@ -207,6 +208,21 @@ class WorkerPool:
     def kill_sync(self) -> None:
         """Kill every worker and join the executors' threads; blocks. Safe to call twice."""
         self._kill_sync()
+
+    def kill_at_exit(self) -> None:
+        """SIGKILL every worker process and return: no join, no lock, no thread.
+
+        For interpreter finalization, where a thread can no longer start and the executors'
+        manager threads may be gone or frozen; the processes are reaped by whoever outlives us.
+        """
+        self._kill_requested.set()
+        procs = list(self._procs)
+        for ex in self._executors:
+            procs += [p for p in ex.processes() if all(p is not q for q in procs)]
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(Exception):  # already gone
+                    os.kill(p.pid, signal.SIGKILL)
 
     def hand_over_payload(self) -> None:
         """A replacement pool now owns the payload file: do not close it at shutdown."""

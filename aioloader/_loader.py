@@ -698,6 +698,11 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 ResourceWarning,
                 stacklevel=2,
             )
+            if sys.is_finalizing():
+                # No thread can start now (3.11 waits for it for ever, 3.12+ raises): kill the
+                # processes here, without waiting for anything.
+                pool.kill_at_exit()
+                return
             # Killing and joining takes a while: never on the caller's thread (often the loop).
             threading.Thread(target=pool.kill_sync, name="aioloader-reap", daemon=True).start()
 

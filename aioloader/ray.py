@@ -485,6 +485,11 @@ class RayPool:
         finally:
             self._close_pipe()
 
+    def kill_at_exit(self) -> None:
+        # Ray calls at finalization are not safe; the actors share the fate of this driver (Ray
+        # kills a non-detached actor when its owner exits).
+        return
+
     def kill_sync(self) -> None:
         """Kill every actor now (does not wait for Ray to confirm); safe from any thread."""
         self._kill_all()

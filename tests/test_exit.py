@@ -1,0 +1,99 @@
+"""Loaders left open until the interpreter (or a multiprocessing child) exits, or dropped without
+closing: the process exits promptly and no worker outlives it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+UNCLOSED = textwrap.dedent(
+    """
+    import asyncio, multiprocessing, sys
+    import torch
+    from aioloader import AsyncDataLoader
+
+    KEEP = []
+
+    async def main(method, where, executor):
+        kw = (
+            dict(multiprocessing_context=method) if executor == "process"
+            else dict(executor="thread")
+        )
+        loader = AsyncDataLoader(
+            [torch.tensor([i]) for i in range(8)], batch_size=2, num_workers=2,
+            persistent_workers=True, **kw,
+        )
+        n = 0
+        async for _ in loader:
+            n += 1
+        print("pids", *[p.pid for p in multiprocessing.active_children()], flush=True)
+        if where == "global":
+            KEEP.append(loader)  # alive at interpreter finalization
+        else:
+            loader.cycle = loader  # garbage that no collection frees before exit
+
+    if __name__ == "__main__":
+        import gc
+        gc.disable()
+        asyncio.run(main(*sys.argv[1:]))
+        print("exiting", flush=True)
+    """
+)
+
+
+def _run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _gone(pids: list[int], within: float = 10.0) -> list[int]:
+    """The processes of ``pids`` still running after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _running(p)]
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.mark.parametrize(
+    "method,where,executor",
+    [
+        ("fork", "global", "process"),
+        ("spawn", "local", "process"),
+        ("forkserver", "global", "process"),
+        ("fork", "global", "thread"),
+    ],
+)
+def test_an_unclosed_persistent_loader_alive_at_exit_lets_the_interpreter_exit(
+    method: str, where: str, executor: str
+) -> None:
+    """Its __del__ runs during finalization, where no thread can start (3.11 waited for ever)."""
+    proc = _run(UNCLOSED, method, where, executor)
+    assert proc.returncode == 0, proc.stderr
+    assert "exiting" in proc.stdout, proc.stdout
+    pids = [int(p) for p in proc.stdout.split("pids", 1)[1].split("\n", 1)[0].split()]
+    if executor == "process":
+        assert len(pids) >= 2, proc.stdout
+    assert _gone(pids) == []
