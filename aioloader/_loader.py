@@ -289,6 +289,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._epochs: weakref.WeakSet[Epoch] = weakref.WeakSet()
         self._closing: asyncio.Task[None] | None = None
         self._persistent_pool: Backend | None = None
+        # A forked child (a worker, of this or a later loader) inherits this object; if garbage
+        # collection frees it there, its pool is the parent's and must be left alone.
+        self._pid = os.getpid()
         # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
         self._persistent_pool_busy = False
         self._persistent_seed: int | None = None
@@ -692,7 +695,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
 
     def __del__(self) -> None:
         pool = getattr(self, "_persistent_pool", None)
-        if pool is not None:
+        if pool is not None and getattr(self, "_pid", None) == os.getpid():
             warnings.warn(
                 f"{self!r} was not closed; use `async with` or `await loader.aclose()`",
                 ResourceWarning,
@@ -857,6 +860,7 @@ class _EpochIterator(Generic[_E]):
     def __init__(self, epoch: Epoch) -> None:
         self._epoch = epoch
         self._awaited = False
+        self._pid = os.getpid()  # see AsyncDataLoader._pid
 
     def __aiter__(self) -> _EpochIterator[_E]:
         return self
@@ -872,7 +876,7 @@ class _EpochIterator(Generic[_E]):
 
     def __del__(self) -> None:
         epoch = getattr(self, "_epoch", None)
-        if epoch is not None:
+        if epoch is not None and getattr(self, "_pid", None) == os.getpid():
             epoch.end(Phase.ENDED)
 
 

@@ -135,7 +135,13 @@ class FdChannel:
         if limit >= 0:
             # Not a bound method: a batch kept after aclose() must not keep the channel alive.
             fin = weakref.finalize(
-                storage, _release_if_sole, self._outstanding, self.in_use, token, limit
+                storage,
+                _release_if_sole,
+                self._outstanding,
+                self.in_use,
+                token,
+                limit,
+                os.getpid(),
             )
             fin.atexit = False  # at exit the batch may still be alive: nothing to hand back
 
@@ -249,11 +255,15 @@ def _sole_holder_count() -> int:
 
 
 def _release_if_sole(
-    outstanding: dict[int, tuple[Any, int]], in_use: Any, token: int, limit: int
+    outstanding: dict[int, tuple[Any, int]], in_use: Any, token: int, limit: int, pid: int
 ) -> None:
     # A storage's finaliser: free its pool slot if nothing else holds the storage any more.
     # Runs on whichever thread dropped the last tensor, possibly inside garbage collection, so
     # it takes no lock.
+    if os.getpid() != pid:
+        # A forked child inherited the batch and drops its copy: the parent's may still be in
+        # use, and the slot is shared memory that the worker would then overwrite.
+        return
     entry = outstanding.get(token)
     if entry is None or torch._C._storage_Use_Count(entry[0].cdata) > limit:
         return

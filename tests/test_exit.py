@@ -97,3 +97,36 @@ def test_an_unclosed_persistent_loader_alive_at_exit_lets_the_interpreter_exit(
     if executor == "process":
         assert len(pids) >= 2, proc.stdout
     assert _gone(pids) == []
+
+
+DROPPED_BRIDGES = textwrap.dedent(
+    """
+    import gc
+    from aioloader import AsyncDataLoader
+
+    class Collecting:
+        # A collection in the worker, as any allocation-heavy __getitem__ sets off sooner or
+        # later: it frees the worker's copy of the previous, dropped loader.
+        def __len__(self):
+            return 100
+
+        def __getitem__(self, i):
+            if i % 50 == 0:
+                gc.collect()
+            return i
+
+    gc.disable()  # the parent leaves the garbage for the workers to inherit
+    for rep in range(3):
+        # The previous bridged loader is dropped unclosed: cyclic garbage when this one forks.
+        dl = AsyncDataLoader(Collecting(), num_workers=2, multiprocessing_context="fork").sync()
+        print(rep, sum(1 for _ in dl), flush=True)
+    print("done", flush=True)
+    """
+)
+
+
+def test_a_dropped_bridged_loader_does_not_hang_the_next_loaders_forked_workers() -> None:
+    """Freeing the inherited copy in a worker must not call into the parent's loop thread."""
+    proc = _run(DROPPED_BRIDGES, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "100", "1", "100", "2", "100", "done"], proc.stdout
