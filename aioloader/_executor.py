@@ -18,10 +18,12 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
@@ -59,6 +61,29 @@ def _prepare_forkserver(ctx: BaseContext) -> None:
                 if mod not in preload:
                     preload.append(mod)
             ctx.set_forkserver_preload(preload)
+
+
+# Every pool not shut down yet, for _kill_live_pools.
+_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _kill_live_pools() -> None:
+    """At the exit of this process, kill the workers of every pool it made and did not close.
+
+    Our workers are not daemon processes (a ``ProcessPoolExecutor``'s never are), so
+    multiprocessing's exit joins them, and a pool nobody closed never tells them to stop. In the
+    main process concurrent.futures' own exit hook does that first; in a multiprocessing child
+    (a training function under ``torch.multiprocessing.spawn``) nothing does, and the child
+    never exited. torch's workers are daemons, terminated there; ours are killed. Registered as
+    a multiprocessing finalizer, which runs before those joins; a forked child inherits the
+    registry and the set, so each pool is killed only by the process that made it.
+    """
+    for pool in list(_live_pools):
+        if pool._pid == os.getpid():
+            pool.kill_at_exit()
+
+
+multiprocessing.util.Finalize(None, _kill_live_pools, exitpriority=10)
 
 
 def first_wave_size() -> int:
@@ -153,6 +178,8 @@ class WorkerPool:
         ]
         self._closed = False
         self._owns_payload = True
+        self._pid = os.getpid()
+        _live_pools.add(self)
         # Serialises _shutdown_sync/_kill_sync: a second caller (another thread) waits until the
         # first is done and then finds nothing left to do.
         self._stop_lock = threading.Lock()
@@ -528,6 +555,7 @@ class WorkerPool:
         finally:
             self._stopped = True
             self._closed = True
+            _live_pools.discard(self)
             self._remove_payload()
             for ch in self._channels:
                 ch.close()

@@ -130,3 +130,58 @@ def test_a_dropped_bridged_loader_does_not_hang_the_next_loaders_forked_workers(
     proc = _run(DROPPED_BRIDGES, timeout=90)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["0", "100", "1", "100", "2", "100", "done"], proc.stdout
+
+
+MP_CHILD = textwrap.dedent(
+    """
+    import multiprocessing as mp, sys, time
+
+    def train(raise_error, persistent):
+        from aioloader import AsyncDataLoader
+        loader = AsyncDataLoader(
+            list(range(100)), batch_size=2, num_workers=1, persistent_workers=persistent
+        ).sync()
+        print("worker pids", *[p.pid for p in mp.active_children()], flush=True)
+        it = iter(loader)  # a local: the traceback keeps it (and its epoch) while the child exits
+        for _ in it:
+            print("worker pids", *[p.pid for p in mp.active_children()], flush=True)
+            if raise_error:
+                raise RuntimeError("a bug in the training step")
+        # the persistent case ends its epoch and leaves the loader open, as torch allows
+
+    if __name__ == "__main__":
+        raise_error, persistent = sys.argv[1] == "1", sys.argv[2] == "1"
+        child = mp.get_context("spawn").Process(target=train, args=(raise_error, persistent))
+        t0 = time.monotonic()
+        child.start()
+        child.join(60)
+        print("alive", child.is_alive(), "exitcode", child.exitcode,
+              "after", round(time.monotonic() - t0), flush=True)
+        if child.is_alive():
+            child.kill()
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "raise_error,persistent", [("1", "0"), ("0", "1")], ids=["raises-mid-epoch", "persistent"]
+)
+def test_a_multiprocessing_child_with_an_open_loader_exits(
+    raise_error: str, persistent: str, tmp_path: Path
+) -> None:
+    """Python's multiprocessing joins a child's non-daemon children at its exit: the loader's
+    workers must be told to go (torch's are daemons; its child exits in seconds)."""
+    script = tmp_path / "mp_child.py"  # a file: spawn re-imports the main module
+    script.write_text(MP_CHILD)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(script), raise_error, persistent],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert f"alive False exitcode {raise_error}" in proc.stdout, proc.stdout + proc.stderr
+    pids = {int(p) for line in proc.stdout.splitlines() if line.startswith("worker pids")
+            for p in line.split()[2:]}  # fmt: skip
+    assert pids, proc.stdout
+    assert _gone(sorted(pids)) == []
