@@ -34,7 +34,7 @@ from typing_extensions import TypeVar
 
 from . import _resume as resume
 from . import _transport, _worker
-from ._attrs import TorchAttributes
+from ._attrs import TorchAttributes, check_prefetch_factor
 from ._backend import Backend, Launcher, ThreadBackend
 from ._bridge import SyncDataLoader
 from ._device import DeviceStage
@@ -218,14 +218,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        pf = torch_loader.prefetch_factor
-        if num_workers > 0 and (not isinstance(pf, int) or isinstance(pf, bool) or pf < 1):
-            # torch accepts 0 (then fails with a bare AssertionError when iterated) and floats
-            # (2.5 would make the in-flight bound fractional, and so no bound at all).
-            raise ValueError(
-                f"prefetch_factor must be at least 1 and an int with num_workers > 0 (the number "
-                f"of batches each worker loads ahead), got {pf!r}"
-            )
+        if num_workers > 0:
+            check_prefetch_factor(torch_loader.prefetch_factor, num_workers)
         _check_int("max_worker_restarts", max_worker_restarts, 0, None, "a non-negative int")
         _check_executor(executor, num_workers, multiprocessing_context, worker_nice)
         self.executor = executor
@@ -799,6 +793,15 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         if self._pool_lock is None or self._pool_lock_loop is not loop:
             self._pool_lock, self._pool_lock_loop = asyncio.Lock(), loop
         async with self._pool_lock:
+            old = self._persistent_pool
+            if old is not None and old.num_workers != self.num_workers:
+                # num_workers was changed between epochs (torch allows it): the kept workers are
+                # the wrong number, so this epoch starts the right one.
+                _logger.debug("num_workers %d -> %d: new persistent workers", old.num_workers,
+                              self.num_workers)  # fmt: skip
+                busy = self._persistent_pool_busy
+                self._persistent_pool = None
+                await old.shutdown(graceful=not busy)
             if self._persistent_pool is None:
                 self._persistent_pool = await self._new_pool(epoch.base_seed)
                 self._persistent_pool_busy = False
