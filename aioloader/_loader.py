@@ -605,11 +605,21 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             "dataset_kind": "iterable" if self._is_iterable else "map",
             "num_workers": self.num_workers,
             "seeding": self.seeding,
+            **self._batching(),
             "persistent_seed": self._persistent_seed if self._persistent else None,
             "start": start.to_dict(),
             "worker_states": {str(k): copy.deepcopy(v) for k, v in worker_states.items()},
             "last_worker": last_worker,
         }
+
+    def _batching(self) -> dict[str, Any]:
+        """What maps a delivered batch count to samples: a resumed epoch must agree on it."""
+        try:
+            sampler_len: int | None = len(self.sampler)  # type: ignore[arg-type]
+        except TypeError:  # a sampler without __len__ (an iterable's, a custom one)
+            sampler_len = None
+        return {"batch_size": self.batch_size, "drop_last": self.drop_last,
+                "sampler_len": sampler_len}  # fmt: skip
 
     @property
     def _persistent(self) -> bool:
@@ -1110,6 +1120,19 @@ class _PendingResume(NamedTuple):
                 )
             # An iterable's send_idx only orders batches: go on counting from what was received.
             low, above = low + len(above), set()
+        if low or above:
+            # Mid-epoch: the received batches are skipped by count, so everything that decides
+            # which samples a batch holds must be as it was.
+            current = {**loader._batching(), "seeding": loader.seeding}
+            for field, now in current.items():
+                if field in state and state[field] != now:
+                    raise ValueError(
+                        f"this state was saved mid-epoch by a loader with {field}="
+                        f"{state[field]!r}, but this loader has {field}={now!r}: resuming would "
+                        "skip or repeat samples (or change their augmentations). Resume with "
+                        f"{field}={state[field]!r}, or from a state saved at an epoch's end "
+                        "(those start the next epoch afresh)"
+                    )
         if persistent_seed is not None and not loader._persistent:
             persistent_seed = None
         return cls(
