@@ -16,6 +16,7 @@ import collections.abc
 import copy
 import enum
 import functools
+import inspect
 import logging
 import multiprocessing
 import os
@@ -971,6 +972,13 @@ def _stream_input(
     source_concurrency: object,
 ) -> StreamInput | None:
     """Validate the async-source arguments; None when ``dataset`` is not an async source."""
+    if inspect.isasyncgenfunction(dataset) or inspect.isgeneratorfunction(dataset):
+        name = getattr(dataset, "__name__", "the generator function")
+        raise TypeError(
+            f"the dataset is the generator function {name} itself, not a stream: call it "
+            f"(AsyncDataLoader({name}(...), ...)) to pass the generator it makes; an object "
+            "whose `async def __aiter__` starts a new stream each time serves every epoch"
+        )
     kind = source_kind(dataset)
     _check_int(
         "source_concurrency",

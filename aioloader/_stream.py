@@ -279,6 +279,16 @@ async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
     size = stream.batch_size if stream.batch_size is not None else 1
     latency = stream.max_batch_latency
     drop_last = bool(epoch.loader.drop_last)
+    source = stream.source
+    if inspect.isasyncgen(source) and source.ag_frame is None:
+        warnings.warn(
+            f"aioloader: the async generator {source.__qualname__} was used up (or closed) by an "
+            "earlier epoch, so this epoch yields no batches. An async generator streams once: "
+            "pass an object whose `async def __aiter__` starts a new stream each time, or a "
+            "new loader over a new generator for each epoch",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     # At most one window's worth read ahead of the open window: the backpressure bound.
     reading = _Reader(stream.source, size)
     buffer = reading.buffer

@@ -119,3 +119,21 @@ async def test_a_source_that_swallows_one_cancellation_still_lets_aclose_return(
             async for _ in loader:
                 break
     assert source.cancels == 2
+
+
+async def _numbers() -> AsyncIterator[torch.Tensor]:
+    for i in range(4):
+        yield torch.tensor([i])
+
+
+def test_an_async_generator_function_passed_uncalled_is_refused_with_advice() -> None:
+    with pytest.raises(TypeError, match=r"generator function _numbers itself.*call it"):
+        AsyncDataLoader(_numbers, batch_size=2)  # type: ignore[arg-type]
+
+
+async def test_a_second_epoch_over_a_used_up_async_generator_warns() -> None:
+    loader = AsyncDataLoader(_numbers(), batch_size=2)
+    async with loader, asyncio.timeout(30):
+        assert len([b async for b in loader]) == 2
+        with pytest.warns(RuntimeWarning, match="async generator _numbers was used up"):
+            assert [b async for b in loader] == []
