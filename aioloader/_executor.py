@@ -119,20 +119,25 @@ class CrashReport:
         self.started = started
 
     def describe(self) -> str:
-        who = "a worker" if self.worker_id is None else f"worker {self.worker_id}"
-        if self.pid is not None:
-            who += f" (pid {self.pid})"
+        """What happened, in torch's words first ("worker (pid N) is killed by signal: ...",
+        "... exited unexpectedly with exit code N"), so that code matching torch's message
+        finds it; then the worker id and the signal's name."""
+        who = "worker" if self.pid is None else f"worker (pid {self.pid})"
+        ours = [] if self.worker_id is None else [f"aioloader worker {self.worker_id}"]
         if self.exitcode is None:
             how = "exited unexpectedly"
         elif self.exitcode < 0:
+            sig = -self.exitcode
             try:
-                how = f"was killed by signal {signal.Signals(-self.exitcode).name}"
+                name = signal.Signals(sig).name
             except ValueError:
-                how = f"was killed by signal {-self.exitcode}"
-            how += f" (exit code {self.exitcode})"
+                name = f"signal {sig}"
+            text = signal.strsignal(sig) or name
+            how = f"is killed by signal: {text}."
+            ours += [name, f"exit code {self.exitcode}"]
         else:
-            how = f"exited unexpectedly with exit code {self.exitcode}"
-        return f"{who} {how}"
+            how = f"exited unexpectedly with exit code {self.exitcode}."
+        return f"{who} {how}" + (f" ({', '.join(ours)})" if ours else "")
 
 
 class WorkerPool:

@@ -411,3 +411,18 @@ def playing_worker(pool: bool) -> Iterator[Any]:
     finally:
         _transport.set_worker_channel(None)
         ch.close()
+
+
+class SegfaultDataset(RangeDataset):
+    """Sample ``at`` crashes its worker with a real segmentation fault (as torch's test does)."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n)
+        self.at = at
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.at:
+            import ctypes
+
+            ctypes.string_at(0)  # a read at address 0: SIGSEGV
+        return super().__getitem__(i)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 import warnings
@@ -333,3 +334,25 @@ async def test_crash_is_an_error_when_warnings_are_errors(tmp_path: Path) -> Non
             with pytest.raises(WorkerCrashedError, match="not restarted") as info:
                 await collect(loader, limit=60)
     assert isinstance(info.value.__cause__, RuntimeWarning)
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+async def test_a_segfaulting_worker_is_reported_in_torchs_words(restarts: int) -> None:
+    """torch's test_segfault matches r"DataLoader worker \\(pid \\d+\\) is killed by signal: "."""
+    loader = AsyncDataLoader(
+        datasets.SegfaultDataset(8, at=2),
+        batch_size=2,
+        num_workers=1,
+        max_worker_restarts=restarts,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the restart's warning, restarts=1
+        async with loader, asyncio.timeout(60):
+            with pytest.raises(WorkerCrashedError) as info:
+                async for _ in loader:
+                    pass
+    assert isinstance(info.value, RuntimeError)
+    assert re.search(
+        r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault", str(info.value)
+    ), str(info.value)
+    assert info.value.exitcode == -signal.SIGSEGV
