@@ -459,6 +459,15 @@ class _TensorReducer:
         self.pool_slots: set[int] = set()
 
     def __call__(self, t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        if t.is_nested or t.layout is not torch.strided:
+            # Nested (no sizes, no single storage), sparse, mkldnn: torch's own reduction, as
+            # its DataLoader does.
+            return reduce_tensor(t)  # type: ignore[no-untyped-call,no-any-return]
+        if t.is_quantized:
+            # torch's reduction loses the quantizer (its own DataLoader delivers a tensor whose
+            # q_scale() fails, or loses the worker): pickle it as torch.save would, its storage
+            # still through shared memory.
+            return t.__reduce_ex__(_PICKLE_PROTOCOL)  # type: ignore[no-untyped-call,no-any-return]
         nbytes = t.numel() * t.element_size()
         plain = is_plain_cpu_tensor(t)
         if nbytes < INLINE_TENSOR_BYTES and plain:
