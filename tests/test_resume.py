@@ -689,3 +689,26 @@ async def test_a_mid_epoch_state_is_refused_by_a_loader_that_batches_differently
         async for _ in first:
             pass
     make(**{**base, **changed}).load_state_dict(first.state_dict())
+
+
+def test_an_epoch_end_resume_leaves_the_global_rng_where_the_uninterrupted_run_does() -> None:
+    """shuffle=True without a generator: RandomSampler's seed comes from the global RNG, and a
+    resumed run must draw it from there too (it drew from a copy: later epochs differed)."""
+
+    def make() -> Any:
+        return AsyncDataLoader(datasets.RangeDataset(10), batch_size=None, shuffle=True).sync()
+
+    def flat(dl: Any) -> list[int]:
+        return [int(x) for x in dl]
+
+    torch.manual_seed(0)
+    with make() as dl:
+        uninterrupted = [flat(dl) for _ in range(4)]
+    torch.manual_seed(0)
+    with make() as dl:
+        flat(dl), flat(dl)
+        state = dl.state_dict()  # the end of epoch 1: the start of epoch 2
+    with make() as dl:
+        dl.load_state_dict(state)
+        resumed = [flat(dl), flat(dl)]
+    assert resumed == uninterrupted[2:]
