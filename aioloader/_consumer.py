@@ -71,6 +71,13 @@ class Consumer:
             # Resuming: the turn passes on from the worker whose batch was delivered last.
             self._next_worker = (progress.last_worker + 1) % workers
         self._yielded = 0
+        # num_workers=0 loads on demand, as torch's single-process loader does (only inside
+        # next()): the permit of a delivered batch returns when the consumer asks for the next
+        # one, not when it receives this one, so nothing is loaded while the loop body uses the
+        # batch. A dataset or collate_fn that refills one output buffer is safe there in torch,
+        # and so it is here. Async sources keep reading ahead (their reads are I/O).
+        self._on_demand = epoch.loader.num_workers == 0 and epoch.loader._stream is None
+        self._owed_permit = False
         # The end or a fatal error was raised once: later calls see StopAsyncIteration.
         self._done = False
         # Device stage (pin_memory / device=): a feeder task moves batches from the reorder
@@ -170,6 +177,9 @@ class Consumer:
                 ep.fail(exc)
                 raise
             self._last_delivered = None
+            if self._owed_permit:
+                self._owed_permit = False
+                ep.permits.release()  # the loop body is done with the last batch: load the next
             if ep.acks is not None:
                 # The loop body is done with the batch delivered last: acknowledge it now.
                 await self._flush_acks()
@@ -281,7 +291,10 @@ class Consumer:
         ep = self._epoch
         if self._stage is None:
             item = await ep.reorder.get()
-            ep.permits.release()
+            if self._on_demand:
+                self._owed_permit = True
+            else:
+                ep.permits.release()
             idx = ep.reorder.last_idx
             wid, state = _origin(item)
             ep.progress.delivered(idx, wid, state)

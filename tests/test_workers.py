@@ -234,3 +234,29 @@ async def test_a_datapipes_sharding_filter_splits_the_data_between_workers(
     async with loader, asyncio.timeout(60):
         got = sorted([int(x) async for x in loader])
     assert got == list(range(10))
+
+
+class _RefilledBuffer(torch.utils.data.Dataset[torch.Tensor]):
+    """Returns one tensor, refilled in place for every sample: safe in torch's single-process
+    loader, which loads only inside next()."""
+
+    def __init__(self) -> None:
+        self.buf = torch.zeros(3)
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.buf.fill_(i)
+        return self.buf
+
+
+async def test_num_workers_0_loads_only_when_the_next_batch_is_asked_for() -> None:
+    loader = AsyncDataLoader(_RefilledBuffer(), batch_size=None)
+    changed = 0
+    async with loader, asyncio.timeout(60):
+        async for batch in loader:
+            seen = batch.clone()
+            await asyncio.sleep(0.01)  # the loop body awaits: nothing may load meanwhile
+            changed += int(not torch.equal(seen, batch))
+    assert changed == 0
