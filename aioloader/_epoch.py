@@ -32,6 +32,7 @@ import errno
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import connection as mp_connection
@@ -67,6 +68,13 @@ _ALLOWED = {
 class Epoch:
     """One pass over the sampler; see the module docstring for the phases."""
 
+    @property
+    def loader(self) -> AsyncDataLoader[Any]:
+        loader = self._loader_ref()
+        if loader is None:
+            raise RuntimeError("aioloader bug: an epoch outlived its loader and its iterator")
+        return loader
+
     def __init__(
         self,
         loader: AsyncDataLoader[Any],
@@ -76,7 +84,10 @@ class Epoch:
         *,
         replay: bool = False,
     ) -> None:
-        self.loader = loader
+        # Weak: the epoch and its stages form reference cycles (each stage holds the epoch), and
+        # a cycle that held the loader would keep a dropped loader, and its persistent workers,
+        # alive until a garbage collection. The epoch's iterator holds the loader instead.
+        self._loader_ref = weakref.ref(loader)
         self.epoch_no = epoch_no
         self.base_seed = base_seed
         self.phase = Phase.CREATED
@@ -287,6 +298,10 @@ class Epoch:
             await self._release_backend()
         except asyncio.CancelledError as exc:
             cancelled = exc
+        # The finished tasks' cancellation tracebacks hold their frames, and so the loader: a
+        # reference from this epoch's cycle would keep a dropped loader alive until a collection.
+        self._start_task = self._sched_task = None
+        self.recovery.task = None
         if cancelled is not None:
             raise cancelled
 

@@ -873,6 +873,7 @@ class _EpochIterator(Generic[_E]):
 
     def __init__(self, epoch: Epoch) -> None:
         self._epoch = epoch
+        self._loader = epoch.loader  # the epoch holds it weakly
         self._awaited = False
         self._pid = os.getpid()  # see AsyncDataLoader._pid
 

@@ -185,3 +185,52 @@ def test_a_multiprocessing_child_with_an_open_loader_exits(
             for p in line.split()[2:]}  # fmt: skip
     assert pids, proc.stdout
     assert _gone(sorted(pids)) == []
+
+
+DROPPED_PERSISTENT = textwrap.dedent(
+    """
+    import asyncio, gc, multiprocessing, sys, time
+    import torch
+    from aioloader import AsyncDataLoader
+
+    gc.disable()  # reference counting alone must release the workers, as with torch
+    data = [torch.tensor([i]) for i in range(100)]
+    if sys.argv[1] == "sync":
+        loader = AsyncDataLoader(data, batch_size=2, num_workers=2, persistent_workers=True)
+        it = iter(loader.sync())
+        del loader  # the bridge's iterator holds it
+        for i, _ in enumerate(it):
+            if i == 10:
+                break
+        pids = [p.pid for p in multiprocessing.active_children()]
+        del it, _
+    else:
+        async def main():
+            loader = AsyncDataLoader(data, batch_size=2, num_workers=2, persistent_workers=True)
+            async for _ in loader:
+                break
+            return [p.pid for p in multiprocessing.active_children()]
+        pids = asyncio.run(main())
+    print("pids", *pids, flush=True)
+    time.sleep(30)  # the test watches the workers meanwhile
+    """
+)
+
+
+@pytest.mark.parametrize("bridge", ["sync", "async"])
+def test_the_workers_of_a_dropped_persistent_loader_go_without_a_collection(bridge: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-W", "ignore", "-c", DROPPED_PERSISTENT, bridge],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) >= 2, line
+        assert _gone(pids, within=10) == []
+    finally:
+        proc.kill()
+        proc.communicate()
