@@ -8,7 +8,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -252,6 +252,44 @@ class PinnedBatch:
 
 def pinned_batch_collate(samples: list[torch.Tensor]) -> PinnedBatch:
     return PinnedBatch([int(s) for s in samples])
+
+
+class Pair(tuple[Any, ...]):
+    """A tuple subclass that is not a named tuple."""
+
+    __slots__ = ()
+
+
+class TaggedList(list[Any]):
+    """A list subclass with an attribute of its own."""
+
+    tag = ""
+
+
+class Labelled(NamedTuple):
+    x: Any
+    y: Any
+
+
+class AttrDict(dict[str, Any]):
+    """A dict subclass."""
+
+
+def container_collate(samples: list[torch.Tensor]) -> Pair:
+    """Every container type a batch may come in, each holding tensors (plain, non-contiguous,
+    needing no numpy dtype)."""
+    x = torch.stack(samples)
+    tagged = TaggedList([x, x.t()])
+    tagged.tag = "kept"
+    return Pair(
+        (
+            x,
+            tagged,
+            Labelled(x + 1, [x.to(torch.bfloat16)]),
+            AttrDict(a=x, b=(x, Pair((x,)))),
+            {"plain": [x], "t": (x,)},
+        )
+    )
 
 
 class ExitOnceAtDataset(RangeDataset):
