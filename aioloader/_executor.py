@@ -108,6 +108,23 @@ class CrashReport:
             how = f"exited unexpectedly with exit code {self.exitcode}"
         return f"{who} {how}"
 
+    def torch_text(self) -> str:
+        """The sentence torch's DataLoader raises for this death, pid and cause included, e.g.
+        ``DataLoader worker (pid 1234) is killed by signal: Segmentation fault.``"""
+        who = "DataLoader worker" + ("" if self.pid is None else f" (pid {self.pid})")
+        code = self.exitcode
+        if code is not None and code < 0:
+            text = f"{who} is killed by signal: {signal.strsignal(-code) or -code}."
+            if -code == signal.SIGBUS:
+                text += (
+                    " It is possible that dataloader's workers are out of shared memory. "
+                    "Please try to raise your shared memory limit."
+                )
+            return text
+        if code:
+            return f"{who} exited unexpectedly with exit code {code}."
+        return f"{who} exited unexpectedly."
+
 
 class WorkerPool:
     """``num_workers`` processes initialised with one :class:`~aioloader._worker.WorkerSpec`.

@@ -182,6 +182,25 @@ class ExitDataset(RangeDataset):
         return super().__getitem__(i)
 
 
+class SignalDataset(RangeDataset):
+    """The worker loading index ``bad`` kills itself with signal ``sig`` (every time)."""
+
+    def __init__(self, n: int, bad: int, sig: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.sig = sig
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            import faulthandler
+
+            faulthandler.disable()  # no traceback dump: die of the signal at once
+            signal.signal(self.sig, signal.SIG_DFL)
+            os.kill(os.getpid(), self.sig)
+            time.sleep(10)
+        return super().__getitem__(i)
+
+
 class ExitOnceDataset(RangeDataset):
     """The worker loading index ``bad`` dies, but only the first time (a marker file remembers)."""
 
