@@ -127,7 +127,7 @@ class Recovery:
             # Warnings are errors in this process (-W error): the crash is one too, and it
             # must reach the consumer as the loader's error type, not as the warning.
             raise WorkerCrashedError(
-                f"{self._final(report)} Not restarted: RuntimeWarning is an error here.",
+                f"{self._final(report)} It is not restarted: RuntimeWarning is an error here.",
                 worker_id=report.worker_id,
                 exitcode=report.exitcode,
             ) from warning

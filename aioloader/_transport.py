@@ -463,6 +463,10 @@ class _TensorReducer:
             c = t.resolve_conj().resolve_neg().contiguous()
             data = ctypes.string_at(c.data_ptr(), nbytes) if nbytes else b""
             return _rebuild_inline_tensor, (data, t.dtype, tuple(t.shape))
+        if t.is_quantized:
+            # torch's reduction rebuilds a quantized tensor without its quantizer (its values
+            # and qscheme() fail in the receiver); plain pickling copies it whole. Rare: inline.
+            return pickle.loads, (pickle.dumps(t, protocol=_PICKLE_PROTOCOL),)
         if t.is_conj() or t.is_neg():
             # torch's reduction drops the lazy flag (the receiver would see unflipped values),
             # and a storage carries none: send the materialised values.
