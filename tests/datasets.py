@@ -555,3 +555,8 @@ class TensorKindsDataset(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return _tensor_kind(TENSOR_KINDS[i])
+
+
+def clone_collate(samples: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A list of copies of the samples (default_collate cannot stack nested tensors)."""
+    return [s.clone() for s in samples]

@@ -402,3 +402,24 @@ def test_every_tensor_kind_arrives_as_torchs_loader_delivers_it(
             ours = {**ours, "values": None}
             torchs = {**torchs, "values": None}
         assert ours == torchs, name
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_batches_of_nested_tensors_as_in_torchs_own_test(method: str) -> None:
+    """torch's test_nested_tensor_multiprocessing: a collate_fn keeping the nested tensors
+    delivers them; default_collate's refusal to stack them is its RuntimeError."""
+    ds = [torch.nested.nested_tensor([torch.randn(5), torch.randn(i + 1)]) for i in range(6)]
+    kwargs: dict[str, Any] = {"batch_size": 1, "num_workers": 2, "multiprocessing_context": method}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's nested tensors are a prototype
+        with AsyncDataLoader(ds, collate_fn=datasets.clone_collate, **kwargs).sync() as loader:
+            got = list(loader)
+        with (
+            AsyncDataLoader(ds, **kwargs).sync() as loader,
+            pytest.raises(RuntimeError, match="not currently supported by the default collate_fn"),
+        ):
+            next(iter(loader))
+    assert len(got) == len(ds)
+    for (batch,), sample in zip(got, ds, strict=True):
+        assert batch.is_nested
+        assert [x.tolist() for x in batch.unbind()] == [x.tolist() for x in sample.unbind()]
