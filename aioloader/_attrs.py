@@ -16,7 +16,27 @@ from typing import Any, NoReturn
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ("TorchAttributes",)
+__all__ = ("TorchAttributes", "check_prefetch_factor")
+
+
+def check_prefetch_factor(value: object, num_workers: int) -> None:
+    """``ValueError`` unless ``value`` is a positive int (with workers) or None (without)."""
+    if num_workers == 0:
+        if value is not None:
+            # torch's own message for this case
+            raise ValueError(
+                "prefetch_factor option could only be specified in multiprocessing."
+                "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor "
+                "to None."
+            )
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        # torch accepts 0 (then fails with a bare AssertionError when iterated) and floats
+        # (2.5 would make the in-flight bound fractional, and so no bound at all).
+        raise ValueError(
+            f"prefetch_factor must be at least 1 and an int with num_workers > 0 (the number "
+            f"of batches each worker loads ahead), got {value!r}"
+        )
 
 
 def _frozen(name: str, owner: object) -> NoReturn:
@@ -104,7 +124,16 @@ class TorchAttributes:
 
     @num_workers.setter
     def num_workers(self, value: int) -> None:
-        self._torch_loader().num_workers = value
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            # torch's own message (its DataLoader checks only at construction)
+            raise ValueError(
+                "num_workers option should be non-negative; use num_workers=0 to disable "
+                "multiprocessing."
+            )
+        loader = self._torch_loader()
+        if value > 0 and loader.prefetch_factor is None:
+            loader.prefetch_factor = 2  # torch's default with workers
+        loader.num_workers = value
 
     @property
     def collate_fn(self) -> Callable[[list[Any]], Any]:
@@ -171,6 +200,7 @@ class TorchAttributes:
 
     @prefetch_factor.setter
     def prefetch_factor(self, value: int | None) -> None:
+        check_prefetch_factor(value, self._torch_loader().num_workers)
         self._torch_loader().prefetch_factor = value
 
     @property

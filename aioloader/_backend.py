@@ -67,6 +67,11 @@ class Backend(Protocol):
 
     def kill_sync(self) -> None: ...
 
+    def kill_at_exit(self) -> None:
+        """Stop what can be stopped without starting a thread or waiting (the interpreter is
+        finalizing: Python 3.11 waits for ever for a thread started now, 3.12+ refuses)."""
+        ...
+
 
 class Launcher(Protocol):
     """Starts a backend of another kind (``AsyncDataLoader(executor=launcher)``)."""
@@ -208,6 +213,9 @@ class ThreadBackend:
         # A thread cannot be killed: queued batches are dropped and the thread exits once the
         # call it is in returns.
         self._ex.shutdown(wait=False, cancel_futures=True)
+
+    def kill_at_exit(self) -> None:
+        self.kill_sync()  # starts nothing, waits for nothing
 
 
 @contextlib.contextmanager

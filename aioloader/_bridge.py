@@ -17,12 +17,14 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Self
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 from torch.utils.data import DataLoader
 from typing_extensions import TypeVar
 
@@ -39,30 +41,62 @@ _R = TypeVar("_R")
 
 
 class _Portal:
-    """An event loop on a daemon thread, serving one loader (anyio's ``BlockingPortal``)."""
+    """An event loop on a daemon thread, serving one loader through an anyio ``BlockingPortal``.
+
+    The thread is this object's own (not anyio's ``start_blocking_portal`` context manager):
+    nothing here runs on garbage collection. A forked child (a worker of a later loader) that
+    inherited a dropped loader frees its copy in its first collection; a context manager's
+    cleanup would then call into a loop thread that exists only in the parent and wait for
+    ever.
+    """
 
     def __init__(self) -> None:
-        self._stack = contextlib.ExitStack()
-        self.portal: BlockingPortal = self._stack.enter_context(
-            start_blocking_portal("asyncio", name="aioloader-bridge")
-        )
-        self.thread_id: int = self.portal.call(threading.get_ident)
+        self.pid = os.getpid()
         self._stopped = False
+        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                ready.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        def run() -> None:
+            try:
+                anyio.run(serve, backend="asyncio")
+            except BaseException as exc:
+                if not ready.done():
+                    ready.set_exception(exc)
+                raise
+
+        self._thread = threading.Thread(target=run, name="aioloader-bridge", daemon=True)
+        self._thread.start()
+        self.portal: BlockingPortal = ready.result()
+        self.thread_id: int | None = self._thread.ident
 
     def on_portal_thread(self) -> bool:
         return threading.get_ident() == self.thread_id
 
+    def usable(self) -> bool:
+        """Whether this process is the one whose thread runs the portal's loop."""
+        return os.getpid() == self.pid
+
     def stop(self) -> None:
-        """End the loop and join its thread (from the portal thread itself: without the join)."""
-        if self._stopped:
+        """End the loop and join its thread (from the portal thread itself: without the join).
+
+        In a forked child it does nothing: the loop's thread is the parent's.
+        """
+        if self._stopped or not self.usable():
             return
         self._stopped = True
         if self.on_portal_thread():  # garbage collection ran there: a thread cannot join itself
-            threading.Thread(
-                target=self._stack.close, name="aioloader-bridge-stop", daemon=True
-            ).start()
+            threading.Thread(target=self._stop, name="aioloader-bridge-stop", daemon=True).start()
         else:
-            self._stack.close()
+            self._stop()
+
+    def _stop(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop already ended (interpreter exit)
+            self.portal.call(self.portal.stop)
+        self._thread.join()
 
 
 # The portal of each bridged loader, weakly keyed: a collected loader's finalizer stops it.
@@ -262,7 +296,7 @@ class _SyncEpoch(Generic[_B]):
     def close(self) -> None:
         """End the epoch and wait until its workers are released."""
         iterator, self._iterator = self._iterator, None
-        if iterator is None:
+        if iterator is None or not self._portal.usable():  # a forked child: not ours to end
             return
         if self._portal.on_portal_thread():
             # Garbage collection on the loop's thread: dropping the iterator ends the epoch
@@ -279,6 +313,7 @@ class _SyncEpoch(Generic[_B]):
 @atexit.register
 def _close_at_exit() -> None:
     """Close loaders still bridged at interpreter exit, so their workers stop in order."""
-    for loader in list(_portals.keys()):
-        with contextlib.suppress(Exception):
-            SyncDataLoader._of(loader).close()
+    for loader, portal in list(_portals.items()):
+        if portal.usable():  # not in a forked child that inherited the parent's bridges
+            with contextlib.suppress(Exception):
+                SyncDataLoader._of(loader).close()

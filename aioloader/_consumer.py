@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 __all__ = ("Consumer", "Failure")
 
 
+def _user_error(exc: BaseException, what: str) -> BaseException:
+    # The same rule as _stream.user_error (importing it here would close an import circle).
+    if isinstance(exc, (StopAsyncIteration, StopIteration)):
+        err = RuntimeError(f"{what} raised {type(exc).__name__}")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
 class Failure(NamedTuple):
     """An exception to raise at this batch's position."""
 
@@ -320,7 +329,8 @@ class Consumer:
             except Exception as exc:  # this batch's error; the epoch goes on, as in torch
                 if ep.acks is not None:
                     ep.acks.received(idx, ok=False)
-                value = Failure(exc)
+                # A StopAsyncIteration from a custom pin_memory() must not end the epoch.
+                value = Failure(_user_error(exc, "the batch's pin_memory()"))
             self._ready.put_nowait((idx, wid, state, value))
 
     def _decode_acked(self, item: Any, idx: int) -> Any:

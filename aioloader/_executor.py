@@ -14,13 +14,16 @@ Two shapes, chosen by the loader:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
@@ -60,6 +63,29 @@ def _prepare_forkserver(ctx: BaseContext) -> None:
             ctx.set_forkserver_preload(preload)
 
 
+# Every pool not shut down yet, for _kill_live_pools.
+_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _kill_live_pools() -> None:
+    """At the exit of this process, kill the workers of every pool it made and did not close.
+
+    Our workers are not daemon processes (a ``ProcessPoolExecutor``'s never are), so
+    multiprocessing's exit joins them, and a pool nobody closed never tells them to stop. In the
+    main process concurrent.futures' own exit hook does that first; in a multiprocessing child
+    (a training function under ``torch.multiprocessing.spawn``) nothing does, and the child
+    never exited. torch's workers are daemons, terminated there; ours are killed. Registered as
+    a multiprocessing finalizer, which runs before those joins; a forked child inherits the
+    registry and the set, so each pool is killed only by the process that made it.
+    """
+    for pool in list(_live_pools):
+        if pool._pid == os.getpid():
+            pool.kill_at_exit()
+
+
+multiprocessing.util.Finalize(None, _kill_live_pools, exitpriority=10)
+
+
 def first_wave_size() -> int:
     """Workers started at once under spawn/forkserver: the CPU cores this process may use."""
     try:
@@ -93,37 +119,25 @@ class CrashReport:
         self.started = started
 
     def describe(self) -> str:
-        who = "a worker" if self.worker_id is None else f"worker {self.worker_id}"
-        if self.pid is not None:
-            who += f" (pid {self.pid})"
+        """What happened, in torch's words first ("worker (pid N) is killed by signal: ...",
+        "... exited unexpectedly with exit code N"), so that code matching torch's message
+        finds it; then the worker id and the signal's name."""
+        who = "worker" if self.pid is None else f"worker (pid {self.pid})"
+        ours = [] if self.worker_id is None else [f"aioloader worker {self.worker_id}"]
         if self.exitcode is None:
             how = "exited unexpectedly"
         elif self.exitcode < 0:
+            sig = -self.exitcode
             try:
-                how = f"was killed by signal {signal.Signals(-self.exitcode).name}"
+                name = signal.Signals(sig).name
             except ValueError:
-                how = f"was killed by signal {-self.exitcode}"
-            how += f" (exit code {self.exitcode})"
+                name = f"signal {sig}"
+            text = signal.strsignal(sig) or name
+            how = f"is killed by signal: {text}."
+            ours += [name, f"exit code {self.exitcode}"]
         else:
-            how = f"exited unexpectedly with exit code {self.exitcode}"
-        return f"{who} {how}"
-
-    def torch_text(self) -> str:
-        """The sentence torch's DataLoader raises for this death, pid and cause included, e.g.
-        ``DataLoader worker (pid 1234) is killed by signal: Segmentation fault.``"""
-        who = "DataLoader worker" + ("" if self.pid is None else f" (pid {self.pid})")
-        code = self.exitcode
-        if code is not None and code < 0:
-            text = f"{who} is killed by signal: {signal.strsignal(-code) or -code}."
-            if -code == signal.SIGBUS:
-                text += (
-                    " It is possible that dataloader's workers are out of shared memory. "
-                    "Please try to raise your shared memory limit."
-                )
-            return text
-        if code:
-            return f"{who} exited unexpectedly with exit code {code}."
-        return f"{who} exited unexpectedly."
+            how = f"exited unexpectedly with exit code {self.exitcode}."
+        return f"{who} {how}" + (f" ({', '.join(ours)})" if ours else "")
 
 
 class WorkerPool:
@@ -169,6 +183,8 @@ class WorkerPool:
         ]
         self._closed = False
         self._owns_payload = True
+        self._pid = os.getpid()
+        _live_pools.add(self)
         # Serialises _shutdown_sync/_kill_sync: a second caller (another thread) waits until the
         # first is done and then finds nothing left to do.
         self._stop_lock = threading.Lock()
@@ -224,6 +240,21 @@ class WorkerPool:
     def kill_sync(self) -> None:
         """Kill every worker and join the executors' threads; blocks. Safe to call twice."""
         self._kill_sync()
+
+    def kill_at_exit(self) -> None:
+        """SIGKILL every worker process and return: no join, no lock, no thread.
+
+        For interpreter finalization, where a thread can no longer start and the executors'
+        manager threads may be gone or frozen; the processes are reaped by whoever outlives us.
+        """
+        self._kill_requested.set()
+        procs = list(self._procs)
+        for ex in self._executors:
+            procs += [p for p in ex.processes() if all(p is not q for q in procs)]
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(Exception):  # already gone
+                    os.kill(p.pid, signal.SIGKILL)
 
     def hand_over_payload(self) -> None:
         """A replacement pool now owns the payload file: do not close it at shutdown."""
@@ -529,6 +560,7 @@ class WorkerPool:
         finally:
             self._stopped = True
             self._closed = True
+            _live_pools.discard(self)
             self._remove_payload()
             for ch in self._channels:
                 ch.close()

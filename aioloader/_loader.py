@@ -16,6 +16,7 @@ import collections.abc
 import copy
 import enum
 import functools
+import inspect
 import logging
 import multiprocessing
 import os
@@ -34,7 +35,7 @@ from typing_extensions import TypeVar
 
 from . import _resume as resume
 from . import _transport, _worker
-from ._attrs import TorchAttributes
+from ._attrs import TorchAttributes, check_prefetch_factor
 from ._backend import Backend, Launcher, ThreadBackend
 from ._bridge import SyncDataLoader
 from ._device import DeviceStage
@@ -218,14 +219,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        pf = torch_loader.prefetch_factor
-        if num_workers > 0 and (not isinstance(pf, int) or isinstance(pf, bool) or pf < 1):
-            # torch accepts 0 (then fails with a bare AssertionError when iterated) and floats
-            # (2.5 would make the in-flight bound fractional, and so no bound at all).
-            raise ValueError(
-                f"prefetch_factor must be at least 1 and an int with num_workers > 0 (the number "
-                f"of batches each worker loads ahead), got {pf!r}"
-            )
+        if num_workers > 0:
+            check_prefetch_factor(torch_loader.prefetch_factor, num_workers)
         _check_int("max_worker_restarts", max_worker_restarts, 0, None, "a non-negative int")
         _check_executor(executor, num_workers, multiprocessing_context, worker_nice)
         self.executor = executor
@@ -289,6 +284,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._epochs: weakref.WeakSet[Epoch] = weakref.WeakSet()
         self._closing: asyncio.Task[None] | None = None
         self._persistent_pool: Backend | None = None
+        # A forked child (a worker, of this or a later loader) inherits this object; if garbage
+        # collection frees it there, its pool is the parent's and must be left alone.
+        self._pid = os.getpid()
         # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
         self._persistent_pool_busy = False
         self._persistent_seed: int | None = None
@@ -608,11 +606,21 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             "dataset_kind": "iterable" if self._is_iterable else "map",
             "num_workers": self.num_workers,
             "seeding": self.seeding,
+            **self._batching(),
             "persistent_seed": self._persistent_seed if self._persistent else None,
             "start": start.to_dict(),
             "worker_states": {str(k): copy.deepcopy(v) for k, v in worker_states.items()},
             "last_worker": last_worker,
         }
+
+    def _batching(self) -> dict[str, Any]:
+        """What maps a delivered batch count to samples: a resumed epoch must agree on it."""
+        try:
+            sampler_len: int | None = len(self.sampler)  # type: ignore[arg-type]
+        except TypeError:  # a sampler without __len__ (an iterable's, a custom one)
+            sampler_len = None
+        return {"batch_size": self.batch_size, "drop_last": self.drop_last,
+                "sampler_len": sampler_len}  # fmt: skip
 
     @property
     def _persistent(self) -> bool:
@@ -692,12 +700,17 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
 
     def __del__(self) -> None:
         pool = getattr(self, "_persistent_pool", None)
-        if pool is not None:
+        if pool is not None and getattr(self, "_pid", None) == os.getpid():
             warnings.warn(
                 f"{self!r} was not closed; use `async with` or `await loader.aclose()`",
                 ResourceWarning,
                 stacklevel=2,
             )
+            if sys.is_finalizing():
+                # No thread can start now (3.11 waits for it for ever, 3.12+ raises): kill the
+                # processes here, without waiting for anything.
+                pool.kill_at_exit()
+                return
             # Killing and joining takes a while: never on the caller's thread (often the loop).
             threading.Thread(target=pool.kill_sync, name="aioloader-reap", daemon=True).start()
 
@@ -791,6 +804,15 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         if self._pool_lock is None or self._pool_lock_loop is not loop:
             self._pool_lock, self._pool_lock_loop = asyncio.Lock(), loop
         async with self._pool_lock:
+            old = self._persistent_pool
+            if old is not None and old.num_workers != self.num_workers:
+                # num_workers was changed between epochs (torch allows it): the kept workers are
+                # the wrong number, so this epoch starts the right one.
+                _logger.debug("num_workers %d -> %d: new persistent workers", old.num_workers,
+                              self.num_workers)  # fmt: skip
+                busy = self._persistent_pool_busy
+                self._persistent_pool = None
+                await old.shutdown(graceful=not busy)
             if self._persistent_pool is None:
                 self._persistent_pool = await self._new_pool(epoch.base_seed)
                 self._persistent_pool_busy = False
@@ -852,6 +874,7 @@ class _EpochIterator(Generic[_E]):
     def __init__(self, epoch: Epoch) -> None:
         self._epoch = epoch
         self._awaited = False
+        self._pid = os.getpid()  # see AsyncDataLoader._pid
 
     def __aiter__(self) -> _EpochIterator[_E]:
         return self
@@ -867,7 +890,7 @@ class _EpochIterator(Generic[_E]):
 
     def __del__(self) -> None:
         epoch = getattr(self, "_epoch", None)
-        if epoch is not None:
+        if epoch is not None and getattr(self, "_pid", None) == os.getpid():
             epoch.end(Phase.ENDED)
 
 
@@ -949,6 +972,13 @@ def _stream_input(
     source_concurrency: object,
 ) -> StreamInput | None:
     """Validate the async-source arguments; None when ``dataset`` is not an async source."""
+    if inspect.isasyncgenfunction(dataset) or inspect.isgeneratorfunction(dataset):
+        name = getattr(dataset, "__name__", "the generator function")
+        raise TypeError(
+            f"the dataset is the generator function {name} itself, not a stream: call it "
+            f"(AsyncDataLoader({name}(...), ...)) to pass the generator it makes; an object "
+            "whose `async def __aiter__` starts a new stream each time serves every epoch"
+        )
     kind = source_kind(dataset)
     _check_int(
         "source_concurrency",
@@ -1098,6 +1128,19 @@ class _PendingResume(NamedTuple):
                 )
             # An iterable's send_idx only orders batches: go on counting from what was received.
             low, above = low + len(above), set()
+        if low or above:
+            # Mid-epoch: the received batches are skipped by count, so everything that decides
+            # which samples a batch holds must be as it was.
+            current = {**loader._batching(), "seeding": loader.seeding}
+            for field, now in current.items():
+                if field in state and state[field] != now:
+                    raise ValueError(
+                        f"this state was saved mid-epoch by a loader with {field}="
+                        f"{state[field]!r}, but this loader has {field}={now!r}: resuming would "
+                        "skip or repeat samples (or change their augmentations). Resume with "
+                        f"{field}={state[field]!r}, or from a state saved at an epoch's end "
+                        "(those start the next epoch afresh)"
+                    )
         if persistent_seed is not None and not loader._persistent:
             persistent_seed = None
         return cls(

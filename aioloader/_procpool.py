@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import signal
 import sys
 import threading
 import time
@@ -125,7 +126,10 @@ class Executor(ProcessPoolExecutor):
     def __init__(
         self, *args: Any, sigterm_grace: float | None = SIGTERM_GRACE_S, **kwargs: Any
     ) -> None:
-        super().__init__(*args, **kwargs)
+        # The queues' semaphores start multiprocessing's resource tracker (spawn, forkserver),
+        # a process of its own that a ^C must not interrupt in its start-up either.
+        with _sigint_blocked():
+            super().__init__(*args, **kwargs)
         self._sigterm_grace = sigterm_grace
         #: Workers the manager thread SIGKILLed because they outlived its SIGTERM.
         self.killed_pids: set[int] = set()
@@ -151,7 +155,7 @@ class Executor(ProcessPoolExecutor):
         # CPython's own "start them all" (_launch_processes) is for fork only and asserts that no
         # manager thread exists yet; this does the same for every start method.
         target = self._max_workers if count is None else min(count, self._max_workers)  # type: ignore[attr-defined]
-        with quiet_fork_warning():
+        with quiet_fork_warning(), _sigint_blocked():
             while len(self._processes) < target:
                 self._spawn_process()  # type: ignore[attr-defined]
 
@@ -218,7 +222,8 @@ class Executor(ProcessPoolExecutor):
                 self._max_tasks_per_child,  # type: ignore[attr-defined]
             ),
         )
-        p.start()
+        with _sigint_blocked():
+            p.start()
         return p
 
     def _adjust_process_count(self) -> None:
@@ -234,7 +239,8 @@ class Executor(ProcessPoolExecutor):
             # CPython's own, with our thread class from the start: tasks may already be queued
             # when it starts (deferred executors), and a worker may die at once.
             if not self._safe_to_dynamically_spawn_children:
-                self._launch_processes()
+                with _sigint_blocked():
+                    self._launch_processes()
             thread = _ManagerThread(self)
             self._executor_manager_thread = thread
             thread.start()
@@ -431,3 +437,22 @@ def quiet_fork_warning() -> Iterator[None]:
                             break
                 _fork_filter_lists.clear()
                 _filters_mutated()
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Start children with SIGINT blocked (a fork, and an exec, keep the signal mask).
+
+    A ^C meant for this process reaches its whole process group: a terminal sends it there, and
+    so does a Jupyter kernel's interrupt. A worker still starting (importing torch, unpickling
+    the dataset) would die of it with a KeyboardInterrupt traceback printed into the terminal or
+    the notebook cell. Blocked, the signal waits until the worker's initializer ignores SIGINT
+    and unblocks it, and is then discarded: the ^C is the main process's alone to handle. Here,
+    on a helper thread or briefly on the caller's, a ^C for this process is only held back for
+    the duration of ``start()``.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

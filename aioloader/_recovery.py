@@ -127,7 +127,7 @@ class Recovery:
             # Warnings are errors in this process (-W error): the crash is one too, and it
             # must reach the consumer as the loader's error type, not as the warning.
             raise WorkerCrashedError(
-                f"{self._final(report)} It is not restarted: RuntimeWarning is an error here.",
+                f"{self._describe(report)} (not restarted: RuntimeWarning is an error here)",
                 worker_id=report.worker_id,
                 exitcode=report.exitcode,
             ) from warning
@@ -141,24 +141,19 @@ class Recovery:
             return None  # a persistent worker died on an earlier epoch's batch
         return report.send_idx
 
-    def _describe(self, report: CrashReport, lead: str = "DataLoader ") -> str:
-        msg = f"{lead}{report.describe()}"
+    def _describe(self, report: CrashReport) -> str:
+        msg = f"DataLoader {report.describe()}"
         held = self._held(report)
         if held is not None:
             indices = self._epoch.in_flight[held].indices
             msg += f" while loading batch send_idx={held} (indices {indices!r})"
         return msg
 
-    def _final(self, report: CrashReport) -> str:
-        """The start of the error the loader finally raises: torch's own sentence (pid, signal
-        or exit code), so code matching torch's text still matches, then our detail."""
-        return f"{report.torch_text()} Details: {self._describe(report, lead='')}."
-
     def _crash_error(self, report: CrashReport) -> WorkerCrashedError | None:
         """The error to fail the epoch with, or None if the workers may be restarted."""
         ep = self._epoch
         loader = ep.loader
-        msg = self._final(report)
+        msg = self._describe(report)
         held = self._held(report)
         indices: Any = ep.in_flight[held].indices if held is not None else None
         if held is not None:
@@ -167,28 +162,28 @@ class Recovery:
         # Exiting by itself (not killed by a signal) before the initializer ran: a set-up error.
         if not report.started and report.exitcode is not None and report.exitcode >= 0:
             return WorkerCrashedError(
-                f"{msg} It died before it finished starting, so it is not restarted (a restart "
-                "would fail the same way). Its own error is printed above. Under the spawn and "
+                f"{msg} before it finished starting, so it is not restarted (a restart would "
+                "fail the same way). Its own error is printed above. Under the spawn and "
                 "forkserver start methods each worker imports the main module again: a script "
                 "must create and iterate the loader only under `if __name__ == '__main__':`.",
                 **common,
             )
         if loader._is_iterable:
             return WorkerCrashedError(
-                f"{msg} An IterableDataset worker's position in its stream dies with it, so "
+                f"{msg}. An IterableDataset worker's position in its stream dies with it, so "
                 "it is not restarted (its samples would be lost or repeated).",
                 **common,
             )
         if held is not None and self._kills[held] >= 2:
             return PoisonBatchError(
-                f"{msg} This index batch killed its worker twice: one of these samples crashes "
+                f"{msg}. This index batch killed its worker twice: one of these samples crashes "
                 "the process that loads it (look for a native crash or out-of-memory kill).",
                 indices=indices,
                 **common,
             )
         if self.restarts >= loader.max_worker_restarts:
             return WorkerCrashedError(
-                f"{msg} The workers were already restarted {self.restarts} time(s) this epoch "
+                f"{msg}. The workers were already restarted {self.restarts} time(s) this epoch "
                 f"(max_worker_restarts={loader.max_worker_restarts}).",
                 indices=indices,
                 **common,

@@ -83,9 +83,15 @@ def _random_draws(sampler: RandomSampler, start: Start | None, replay: bool) -> 
     if sampler.generator is None:
         if replay and start is not None and start.sampler_seed is not None:
             seed = start.sampler_seed  # resuming: the seed the interrupted epoch drew
-        elif replay and start is not None and start.global_rng is not None:
-            # Resuming an epoch stopped before its sampler drew: draw as it would have, from the
-            # global RNG as it stood when the epoch started.
+        elif (
+            replay
+            and start is not None
+            and start.global_rng is not None
+            and not torch.equal(start.rng_tensor(), torch.get_rng_state())
+        ):
+            # Resuming an epoch stopped before its sampler drew, in a process whose global RNG
+            # has moved on: draw as it would have, from the global RNG as it stood when the
+            # epoch started (a copy: this process's RNG is the user's).
             rng = torch.Generator()
             rng.set_state(start.rng_tensor())
             seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())

@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import math
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -45,7 +47,36 @@ from ._worker import Samples
 if TYPE_CHECKING:
     from ._epoch import Epoch
 
-__all__ = ("Acks", "StreamInput", "run_stream_scheduler", "source_kind")
+__all__ = ("Acks", "StreamInput", "run_stream_scheduler", "source_kind", "user_error")
+
+_logger = logging.getLogger(__name__)
+
+#: How long a source left early (break, aclose(), an error) gets to stop once cancelled,
+#: cancelled again and again meanwhile, before it is given up on and left running.
+SOURCE_STOP_S = 5.0
+
+
+def user_error(exc: BaseException, what: str) -> BaseException:
+    """What to raise at a batch's position for ``exc``, raised by user code ``what`` on the loop.
+
+    ``StopAsyncIteration``/``StopIteration`` would end the consumer's ``async for`` silently,
+    and a ``CancelledError`` the loader did not ask for would read as the consumer's own
+    cancellation; any other ``BaseException`` that is not an ``Exception`` would kill the task
+    that reads the source without a word. Each becomes a ``RuntimeError`` that names it (as
+    PEP 479 does for generators, and as the workers do for what user code raises there);
+    ``KeyboardInterrupt`` and ``SystemExit`` are never passed here: they stop the event loop.
+    """
+    if isinstance(exc, Exception) and not isinstance(exc, (StopAsyncIteration, StopIteration)):
+        return exc
+    err = RuntimeError(f"{what} raised {type(exc).__name__}")
+    err.__cause__ = exc
+    return err
+
+
+def _ours(exc: BaseException) -> bool:
+    """Whether a CancelledError here is a cancellation of this task (not the source's own)."""
+    task = asyncio.current_task()
+    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
 
 
 def source_kind(dataset: object) -> str | None:
@@ -119,9 +150,17 @@ class Acks:
         """Acknowledge every batch received so far, oldest first."""
         while self._received:
             samples = self._received.pop(0)
-            result = self._ack(list(samples))
-            if inspect.isawaitable(result):
-                await result
+            try:
+                result = self._ack(list(samples))
+                if inspect.isawaitable(result):
+                    await result
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:
+                err = user_error(exc, "the source's ack()")
+                if _ours(exc) or err is exc:
+                    raise
+                raise err from exc
 
 
 async def run_stream_scheduler(epoch: Epoch) -> None:
@@ -187,9 +226,14 @@ class _Reader:
                 if self.stopping:
                     return
                 await buffer.put((sample, loop.time()))
-        except Exception as exc:  # the source failed: raised at its position in the stream
-            if not self.stopping:
-                await buffer.put(_End(exc))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # the source failed: raised at its position in the stream
+            if _ours(exc) or self.stopping:
+                raise
+            # Anything, a CancelledError it raised itself included, must reach the consumer:
+            # a reader that just died would leave it waiting for ever.
+            await buffer.put(_End(user_error(exc, "the async source")))
         else:
             if not self.stopping:
                 await buffer.put(_End(None))
@@ -209,12 +253,25 @@ class _Reader:
         is emptied until it has.
         """
         self.stopping = True
-        task.cancel()
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + SOURCE_STOP_S
         while not task.done():
+            # Again each round: a source that swallowed one cancellation (taking it for a
+            # dropped connection) and awaits again gets the next one.
+            task.cancel()
             while not self.buffer.empty():
                 self.buffer.get_nowait()  # wakes a reader waiting for room
+            if loop.time() >= give_up:
+                warnings.warn(
+                    f"aioloader: the async source {self.source!r} did not stop within "
+                    f"{SOURCE_STOP_S:g} s of being cancelled (it swallows cancellations); it is "
+                    "left running on the event loop, and the epoch ends without it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return
             with contextlib.suppress(BaseException):
-                await asyncio.wait([task])
+                await asyncio.wait([task], timeout=0.05)
 
 
 async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
@@ -222,6 +279,16 @@ async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
     size = stream.batch_size if stream.batch_size is not None else 1
     latency = stream.max_batch_latency
     drop_last = bool(epoch.loader.drop_last)
+    source = stream.source
+    if inspect.isasyncgen(source) and source.ag_frame is None:
+        warnings.warn(
+            f"aioloader: the async generator {source.__qualname__} was used up (or closed) by an "
+            "earlier epoch, so this epoch yields no batches. An async generator streams once: "
+            "pass an object whose `async def __aiter__` starts a new stream each time, or a "
+            "new loader over a new generator for each epoch",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     # At most one window's worth read ahead of the open window: the backpressure bound.
     reading = _Reader(stream.source, size)
     buffer = reading.buffer
@@ -333,11 +400,14 @@ async def _fetch_and_submit(
 ) -> None:
     try:
         samples = await _fetch(stream.source, indices, stream.batch_size is not None, calls)
-    except asyncio.CancelledError:
+    except (KeyboardInterrupt, SystemExit):
         raise
-    except Exception as exc:  # __getitem__ raised: at this batch's position, as in torch
+    except BaseException as exc:  # __getitem__ raised: at this batch's position, as in torch
+        if _ours(exc):
+            raise
         if not epoch.terminal:
-            epoch.reorder.put(send_idx, Failure(exc))
+            what = f"{type(stream.source).__name__}'s async __getitem__"
+            epoch.reorder.put(send_idx, Failure(user_error(exc, what)))
         return
     await epoch.resumed.wait()
     if epoch.terminal:

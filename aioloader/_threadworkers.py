@@ -292,3 +292,6 @@ class ThreadWorkers:
         # call it is in returns.
         for ex in self._executors:
             ex.shutdown(wait=False, cancel_futures=True)
+
+    def kill_at_exit(self) -> None:
+        self.kill_sync()  # starts nothing, waits for nothing

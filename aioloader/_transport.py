@@ -135,7 +135,13 @@ class FdChannel:
         if limit >= 0:
             # Not a bound method: a batch kept after aclose() must not keep the channel alive.
             fin = weakref.finalize(
-                storage, _release_if_sole, self._outstanding, self.in_use, token, limit
+                storage,
+                _release_if_sole,
+                self._outstanding,
+                self.in_use,
+                token,
+                limit,
+                os.getpid(),
             )
             fin.atexit = False  # at exit the batch may still be alive: nothing to hand back
 
@@ -249,11 +255,15 @@ def _sole_holder_count() -> int:
 
 
 def _release_if_sole(
-    outstanding: dict[int, tuple[Any, int]], in_use: Any, token: int, limit: int
+    outstanding: dict[int, tuple[Any, int]], in_use: Any, token: int, limit: int, pid: int
 ) -> None:
     # A storage's finaliser: free its pool slot if nothing else holds the storage any more.
     # Runs on whichever thread dropped the last tensor, possibly inside garbage collection, so
     # it takes no lock.
+    if os.getpid() != pid:
+        # A forked child inherited the batch and drops its copy: the parent's may still be in
+        # use, and the slot is shared memory that the worker would then overwrite.
+        return
     entry = outstanding.get(token)
     if entry is None or torch._C._storage_Use_Count(entry[0].cdata) > limit:
         return
@@ -455,6 +465,15 @@ class _TensorReducer:
         self.pool_slots: set[int] = set()
 
     def __call__(self, t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        if t.is_nested or t.layout is not torch.strided:
+            # Nested (no sizes, no single storage), sparse, mkldnn: torch's own reduction, as
+            # its DataLoader does.
+            return reduce_tensor(t)  # type: ignore[no-untyped-call,no-any-return]
+        if t.is_quantized:
+            # torch's reduction loses the quantizer (its own DataLoader delivers a tensor whose
+            # q_scale() fails, or loses the worker): pickle it as torch.save would, its storage
+            # still through shared memory.
+            return t.__reduce_ex__(_PICKLE_PROTOCOL)  # type: ignore[no-untyped-call,no-any-return]
         nbytes = t.numel() * t.element_size()
         plain = is_plain_cpu_tensor(t)
         if nbytes < INLINE_TENSOR_BYTES and plain:
@@ -463,10 +482,6 @@ class _TensorReducer:
             c = t.resolve_conj().resolve_neg().contiguous()
             data = ctypes.string_at(c.data_ptr(), nbytes) if nbytes else b""
             return _rebuild_inline_tensor, (data, t.dtype, tuple(t.shape))
-        if t.is_quantized:
-            # torch's reduction rebuilds a quantized tensor without its quantizer (its values
-            # and qscheme() fail in the receiver); plain pickling copies it whole. Rare: inline.
-            return pickle.loads, (pickle.dumps(t, protocol=_PICKLE_PROTOCOL),)
         if t.is_conj() or t.is_neg():
             # torch's reduction drops the lazy flag (the receiver would see unflipped values),
             # and a storage carries none: send the materialised values.
@@ -505,7 +520,6 @@ class _TensorReducer:
         if (
             pool is not None
             and t.layout is torch.strided
-            and not t.is_nested
             and t.untyped_storage().data_ptr() in pool.slot_of
         ):
             t = t.clone()  # a pool buffer leaves only through the channel (see __init__)

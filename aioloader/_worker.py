@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data import _DatasetKind
+from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind, graph_settings
 from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
@@ -495,7 +495,10 @@ def init(
     ).start()
     atexit.register(_fast_exit)
     # Keyboard interrupts are the main process's to handle; a worker must not die of the same ^C.
+    # The pool started this process with SIGINT blocked (_procpool._sigint_blocked), so a ^C
+    # during its start-up is pending: ignoring the signal first discards it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     if spec.fixed_worker_id is not None:
         worker_id = spec.fixed_worker_id
@@ -559,6 +562,14 @@ def setup(
         if collate_fn is torch_collate.default_collate:
             collate_fn = _default_collate_small_inline if shm_collate else _default_collate_no_shm
         _state.collate_fn = collate_fn
+        if isinstance(dataset, (IterDataPipe, MapDataPipe)):
+            # A DataPipe's sharding_filter splits the data between workers (and ranks), as
+            # torch's workers set it (its _sharding_worker_init_fn): ranks first, then workers.
+            graph_settings.apply_sharding(
+                dataset,
+                spec.num_workers * spec.world_size,
+                worker_id * spec.world_size + spec.rank,
+            )
         _state.streamed = (
             not spec.is_iterable
             and spec.auto_collation

@@ -258,8 +258,8 @@ class _Actor:
         torch.set_num_threads(threads)
         _worker.setup(spec, worker_id, lambda: objects, shm_collate=False)
 
-    def ready(self) -> tuple[int, str]:
-        return os.getpid(), socket.gethostname()
+    def ready(self) -> tuple[int, str, str | None]:
+        return os.getpid(), socket.gethostname(), _start_time(os.getpid())
 
     def fetch(self, send_idx: int, indices: Any, epoch: int) -> _worker.Result:
         return _worker.load(send_idx, indices, epoch, _to_views)
@@ -321,6 +321,8 @@ class RayPool:
         self._actors: list[Any] = []
         self._pids: list[int | None] = [None] * self.num_workers
         self._hosts: list[str] = [""] * self.num_workers
+        # Each actor process's start time (Linux): tells it from a later process given its pid.
+        self._started: list[str | None] = [None] * self.num_workers
         # Reentrant: a call's completion callback can run at once, inside _call, on this thread.
         self._lock = threading.RLock()
         # Per actor, the tasks given to it and not finished, in submission order: a Ray actor
@@ -364,9 +366,10 @@ class RayPool:
             ) from None
         except ray.exceptions.RayActorError as exc:
             raise RuntimeError(f"a Ray actor of the loader could not start: {exc}") from exc
-        for wid, (pid, host) in enumerate(got):
+        for wid, (pid, host, started) in enumerate(got):
             self._pids[wid] = pid
             self._hosts[wid] = host
+            self._started[wid] = started
 
     # ------------------------------------------------------------------------------ tasks
 
@@ -510,13 +513,73 @@ class RayPool:
             deadline = time.monotonic() + KILL_WAIT_S
             for actor in actors:
                 await _wait_dead(actor, deadline)
+            # Ray reports an actor dead before its process has exited (up to ~2 s later here):
+            # on this node, wait for the processes themselves.
+            here = socket.gethostname()
+            for pid, host, started in zip(self._pids, self._hosts, self._started, strict=True):
+                if pid is not None and started is not None and host == here:
+                    await _wait_exited(pid, started, deadline)
         finally:
             self._close_pipe()
+
+    def kill_at_exit(self) -> None:
+        # Ray calls at finalization are not safe; the actors share the fate of this driver (Ray
+        # kills a non-detached actor when its owner exits).
+        return
 
     def kill_sync(self) -> None:
         """Kill every actor now (does not wait for Ray to confirm); safe from any thread."""
         self._kill_all()
         self._close_pipe()
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux ``/proc``), or None: gone, a
+    zombie, or no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: the fields after it follow
+    # the last ")". Field 3 is the state, field 22 the start time.
+    rest = stat[stat.rfind(")") + 2 :].split()
+    if len(rest) < 20 or rest[0] in ("Z", "X"):
+        return None
+    return rest[19]
+
+
+async def _wait_exited(pid: int, started: str, deadline: float) -> None:
+    """Return once process ``pid`` (started at ``started``) has exited, or the deadline passed.
+
+    Waits on a pidfd (Linux 5.3+), which turns readable when the process ends; elsewhere it
+    returns at once.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # gone already, or no pidfd here
+        return
+    loop = asyncio.get_running_loop()
+    try:
+        # Checked after opening: the pidfd holds this very process, not a later one with its pid.
+        if _start_time(pid) != started:
+            return
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, readable)
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await exited
+        except TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(fd)
+    finally:
+        os.close(fd)
 
 
 async def _wait_dead(actor: Any, deadline: float) -> None:

@@ -9,8 +9,14 @@ it was produced. The consumer reads them as a consumer group through ``RedisStre
 loader closes a batch at ``--batch-size`` events or ``--max-latency`` seconds after its first
 event, parses and collates in a worker process, and acknowledges (XACK) each batch once the
 training step on it is done. It prints the loss, the model's fit and the end-to-end latency
-(event produced -> event in a delivered batch). Kill it and run it again: what was read but not
-acknowledged is delivered again.
+(event produced -> event in a delivered batch).
+
+If the server goes away (restart it, or freeze it with ``kill -STOP``), the consumer logs one
+warning, waits for it for up to ``--reconnect-for`` seconds and goes on where it stopped. Kill the
+consumer and run it again with ``--url`` and the same ``--consumer`` name: what it read but never
+acknowledged is delivered again at once. Under a new name, those entries are claimed only after
+they have been pending for ``--claim-idle`` seconds (and a consumer that stops sooner, at
+``--idle-stop``, leaves them for the next one).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import shutil
 import socket
 import subprocess
@@ -67,7 +74,14 @@ async def consume(args: argparse.Namespace, url: str) -> None:
     latencies: list[float] = []
     seen = 0
     source = RedisStreamSource(
-        url, args.stream, "trainers", "trainer-1", stop_after_idle_s=args.idle_stop
+        url,
+        args.stream,
+        "trainers",
+        args.consumer,
+        stop_after_idle_s=args.idle_stop,
+        claim_idle_s=args.claim_idle,
+        claim_every_s=min(5.0, args.claim_idle),
+        reconnect_for_s=args.reconnect_for,
     )
     async with (
         source,
@@ -145,7 +159,21 @@ if __name__ == "__main__":
     parser.add_argument(
         "--idle-stop", type=float, default=2.0, help="stop after this long without events"
     )
+    parser.add_argument("--consumer", default="trainer-1", help="this consumer's name in the group")
+    parser.add_argument(
+        "--claim-idle",
+        type=float,
+        default=30.0,
+        help="claim other consumers' entries pending for this long (seconds)",
+    )
+    parser.add_argument(
+        "--reconnect-for",
+        type=float,
+        default=60.0,
+        help="how long to wait for a lost server before giving up (seconds)",
+    )
     arguments = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if arguments.url:
         asyncio.run(main(arguments, arguments.url))
     else:

@@ -2,7 +2,8 @@
 and with torch's DataLoader used through ``asyncio.to_thread``.
 
 Run: python examples/service_latency.py [--runs 3] [--requests 400] [--gap-ms 5]
-                                        [--configs none,aio-thread,...] [-- SERVICE ARGS]
+                                        [--concurrency 1] [--configs none,aio-thread,...]
+                                        [-- SERVICE ARGS]
 
 Each configuration starts the service in its own process on a free loopback port, waits until
 training is under way, then sends ``--requests`` sequential prediction requests ``--gap-ms``
@@ -10,7 +11,10 @@ apart over one keep-alive connection and records each one's latency; training th
 the service's own step count over the same window. Configurations alternate run by run, so a
 change in the machine's load hits all of them alike. ``--configs`` picks them: by default no
 training, aioloader and torch with the training step on a thread; ``aio-loop`` and ``torch-loop``
-run the step on the event loop instead, the pattern that does not reach the target.
+run the step on the event loop instead, the pattern that does not reach the target;
+``fastapi-none`` and ``fastapi`` run examples/service_fastapi.py (FastAPI on uvicorn) without and
+with aioloader. ``--concurrency N`` sends from N clients at once (each its own connection,
+``--requests`` in all), to see what request handling costs the training rate.
 """
 
 from __future__ import annotations
@@ -29,17 +33,25 @@ from typing import Any
 import aiohttp
 
 SERVICE = Path(__file__).resolve().parent / "service.py"
+FASTAPI = Path(__file__).resolve().parent / "service_fastapi.py"
 
-#: key -> (name, service.py arguments)
-CONFIGS: dict[str, tuple[str, list[str]]] = {
-    "none": ("no training", ["--loader", "none"]),
-    "aio-thread": ("aioloader, step on a thread", ["--loader", "aioloader"]),
-    "torch-thread": ("torch via to_thread, step on a thread", ["--loader", "torch"]),
-    "aio-loop": ("aioloader, step on the loop", ["--loader", "aioloader", "--train-step", "loop"]),
+#: key -> (name, script, its arguments)
+CONFIGS: dict[str, tuple[str, Path, list[str]]] = {
+    "none": ("no training", SERVICE, ["--loader", "none"]),
+    "aio-thread": ("aioloader, step on a thread", SERVICE, ["--loader", "aioloader"]),
+    "torch-thread": ("torch via to_thread, step on a thread", SERVICE, ["--loader", "torch"]),
+    "aio-loop": (
+        "aioloader, step on the loop",
+        SERVICE,
+        ["--loader", "aioloader", "--train-step", "loop"],
+    ),
     "torch-loop": (
         "torch via to_thread, step on the loop",
+        SERVICE,
         ["--loader", "torch", "--train-step", "loop"],
     ),
+    "fastapi-none": ("FastAPI, no training", FASTAPI, ["--workers", "0", "--no-training"]),
+    "fastapi": ("FastAPI, aioloader, step on a thread", FASTAPI, []),
 }
 DEFAULT = "none,aio-thread,torch-thread"
 
@@ -51,10 +63,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-async def measure(args: argparse.Namespace, service_args: list[str]) -> dict[str, float]:
+async def measure(
+    args: argparse.Namespace, script: Path, service_args: list[str]
+) -> dict[str, float]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
-        str(SERVICE),
+        str(script),
         "--port",
         "0",
         *service_args,
@@ -68,27 +82,40 @@ async def measure(args: argparse.Namespace, service_args: list[str]) -> dict[str
         if not line.startswith("serving on "):
             raise RuntimeError(f"the service did not start: {line!r}")
         base = line.split()[2]
-        training = "none" not in service_args
+        training = "none" not in service_args and "--no-training" not in service_args
         x = [i / 16 for i in range(16)]
-        async with aiohttp.ClientSession() as http:
+        connector = aiohttp.TCPConnector(limit=args.concurrency + 1)
+        async with aiohttp.ClientSession(connector=connector) as http:
 
             async def status() -> dict[str, Any]:
-                async with http.get(f"{base}/status") as r:
-                    return dict(await r.json())
+                async with asyncio.timeout(60):
+                    while True:
+                        try:
+                            async with http.get(f"{base}/status") as r:
+                                return dict(await r.json())
+                        except aiohttp.ClientConnectionError:  # uvicorn not listening yet
+                            await asyncio.sleep(0.05)
 
             if training:  # warm: workers up, first batches trained on
                 async with asyncio.timeout(120):
                     while (await status())["steps"] < args.warmup_steps:  # noqa: ASYNC110
                         await asyncio.sleep(0.05)  # polling another process: no event to await
             before, t0 = await status(), time.perf_counter()
-            latencies = []
-            for _ in range(args.requests):
-                start = time.perf_counter()
-                async with http.post(f"{base}/predict", json={"x": x}) as r:
-                    r.raise_for_status()
-                    await r.read()
-                latencies.append((time.perf_counter() - start) * 1000)
-                await asyncio.sleep(args.gap_ms / 1000)
+            latencies: list[float] = []
+
+            async def client(n: int) -> None:
+                for _ in range(n):
+                    start = time.perf_counter()
+                    async with http.post(f"{base}/predict", json={"x": x}) as r:
+                        r.raise_for_status()
+                        await r.read()
+                    latencies.append((time.perf_counter() - start) * 1000)
+                    await asyncio.sleep(args.gap_ms / 1000)
+
+            per_client = max(1, args.requests // args.concurrency)
+            async with asyncio.TaskGroup() as clients:
+                for _ in range(args.concurrency):
+                    clients.create_task(client(per_client))
             after, t1 = await status(), time.perf_counter()
         return {
             "p50_ms": percentile(latencies, 0.50),
@@ -114,16 +141,19 @@ async def main(args: argparse.Namespace) -> None:
     results: dict[str, list[dict[str, float]]] = {CONFIGS[k][0]: [] for k in keys}
     for run in range(args.runs):
         for key in keys:
-            name, service_args = CONFIGS[key]
+            name, script, service_args = CONFIGS[key]
             extra = ["--workers", str(args.workers), "--batch-size", str(args.batch_size)]
-            r = await measure(args, service_args + extra + args.service_args)
+            r = await measure(args, script, extra + service_args + args.service_args)
             results[name].append(r)
             print(
                 f"run {run + 1}  {name:<40} p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms"
                 f"  max {r['max_ms']:6.1f} ms  {r['batches_per_s']:6.1f} batches/s",
                 flush=True,
             )
-    print(f"\nmedian of {args.runs} runs, {args.requests} requests {args.gap_ms} ms apart each:")
+    print(
+        f"\nmedian of {args.runs} runs, {args.requests} requests from {args.concurrency} "
+        f"client(s), each {args.gap_ms} ms apart:"
+    )
     print(f"{'configuration':<40} {'p50 ms':>8} {'p99 ms':>8} {'batches/s':>10}   p99 per run")
     for name, rs in results.items():
         p50 = statistics.median(r["p50_ms"] for r in rs)
@@ -140,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--gap-ms", type=float, default=5.0)
+    p.add_argument("--concurrency", type=int, default=1, help="clients sending at once")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup-steps", type=int, default=20)

@@ -291,6 +291,25 @@ def live_loader_actors() -> list[str]:
     ]
 
 
+def ray_actor_ids() -> set[str]:
+    """Every actor id in Ray's actor table, dead ones included."""
+    from ray._private import state as ray_state
+
+    return set(ray_state.actors())
+
+
+def loader_actor_pids(since: set[str]) -> list[int]:
+    """The process ids of the loader actors in Ray's actor table (dead ones included) that are
+    not in ``since`` (a :func:`ray_actor_ids` taken before)."""
+    from ray._private import state as ray_state
+
+    return [
+        int(info["Pid"])
+        for aid, info in ray_state.actors().items()
+        if aid not in since and "_Actor" in str(info.get("ActorClassName", "")) and info.get("Pid")
+    ]
+
+
 def _loader_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("aioloader")]
 

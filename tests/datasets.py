@@ -560,3 +560,55 @@ class TensorKindsDataset(Dataset[torch.Tensor]):
 def clone_collate(samples: list[torch.Tensor]) -> list[torch.Tensor]:
     """A list of copies of the samples (default_collate cannot stack nested tensors)."""
     return [s.clone() for s in samples]
+
+
+class SegfaultDataset(RangeDataset):
+    """Sample ``at`` crashes its worker with a real segmentation fault (as torch's test does)."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n)
+        self.at = at
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.at:
+            import ctypes
+
+            ctypes.string_at(0)  # a read at address 0: SIGSEGV
+        return super().__getitem__(i)
+
+
+class TaggedTensor(torch.Tensor):
+    """A tensor subclass: it must arrive as itself, as torch's DataLoader delivers it."""
+
+
+def tensor_kinds() -> dict[str, torch.Tensor]:
+    """One of every kind of tensor torch's DataLoader moves between processes."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(300, 300, generator=g)
+    parts = [torch.randn(2, 3, generator=g), torch.randn(4, 3, generator=g)]
+    return {
+        "nested": torch.nested.nested_tensor(parts),
+        "jagged": torch.nested.nested_tensor(parts, layout=torch.jagged),
+        "sparse_coo": torch.randn(4, 4, generator=g).relu().to_sparse(),
+        "sparse_coo_large": big.relu().to_sparse(),
+        "sparse_csr": torch.randn(4, 4, generator=g).relu().to_sparse_csr(),
+        "quantized": torch.quantize_per_tensor(torch.randn(8, generator=g), 0.1, 0, torch.qint8),
+        "conj": torch.randn(4, dtype=torch.cfloat, generator=g).conj(),
+        "conj_large": torch.randn(100_000, dtype=torch.cfloat, generator=g).conj(),
+        "neg": torch.randn(4, dtype=torch.cfloat, generator=g).conj().imag,
+        "subclass": torch.randn(4, generator=g).as_subclass(TaggedTensor),
+        "parameter": torch.nn.Parameter(torch.randn(4, generator=g)),
+        "non_contiguous": big.t(),
+        "empty": torch.empty(0, 5),
+        "bool": torch.tensor([True, False]),
+        "bfloat16": torch.randn(5, generator=g).to(torch.bfloat16),
+        "requires_grad": torch.randn(3, generator=g).requires_grad_(),
+    }
+
+
+class TensorKinds(Dataset[dict[str, torch.Tensor]]):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return tensor_kinds()

@@ -152,6 +152,23 @@ async def interrupt(out: Path) -> None:
                     "workers gone after the re-run", lambda: not worker_children(kernel_pid), 30
                 )
             report["workers_after_rerun"] = len(worker_children(kernel_pid))
+            # Interrupted while its spawned workers are still starting (importing torch): the
+            # kernel signals its whole process group, the workers included.
+            starting = nbformat.v4.new_code_cell("await train('spawn', epochs=1)")
+            nb.cells.append(starting)
+            running = asyncio.ensure_future(nc.async_execute_cell(starting, len(nb.cells) - 1))
+            await until("spawned workers", lambda: worker_children(kernel_pid), 60)
+            await asyncio.sleep(0.1)
+            await km.interrupt_kernel()
+            await asyncio.wait_for(running, 60)
+            report["startup_cell"] = text_of(starting)
+            with contextlib.suppress(TimeoutError):  # the count below tells
+                await until(
+                    "workers gone after the start-up interrupt",
+                    lambda: not worker_children(kernel_pid),
+                    30,
+                )
+            report["workers_after_startup_interrupt"] = len(worker_children(kernel_pid))
     out.write_text(json.dumps(report, indent=1))  # noqa: ASYNC240 (the driver's last act)
 
 

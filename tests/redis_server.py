@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -18,20 +20,29 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """``redis-server`` on 127.0.0.1, no persistence; ``url`` is where to reach it."""
+    """``redis-server`` on 127.0.0.1; ``url`` is where to reach it.
 
-    def __init__(self) -> None:
+    ``persist=True`` keeps the data in an append-only file, so that :meth:`restart` (same port,
+    same directory) comes back with the streams and groups it had, as a production server does.
+    """
+
+    def __init__(self, *, persist: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError(
                 "redis-server is not installed (Debian: apt-get install redis-server)"
             )
+        self._binary = binary
+        self._persist = persist
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="aioloader-redis-")
+        self._start()
+
+    def _start(self) -> None:
         self.proc = subprocess.Popen(
             [
-                binary,
+                self._binary,
                 "--port",
                 str(self.port),
                 "--bind",
@@ -41,7 +52,9 @@ class RedisServer:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self._persist else "no",
+                "--appendfsync",
+                "always",
                 "--daemonize",
                 "no",
                 "--loglevel",
@@ -69,14 +82,37 @@ class RedisServer:
             return s.recv(16).startswith(b"+PONG")
         return False
 
-    def stop(self) -> None:
+    def _terminate(self) -> None:
         if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # a frozen server cannot act on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def restart(self) -> None:
+        """Stops the server and starts it again on the same port and directory."""
+        self._terminate()
+        self._start()
+
+    def stop_only(self) -> None:
+        """Stops the server, keeping its port and directory for :meth:`start`."""
+        self._terminate()
+
+    def start(self) -> None:
+        self._start()
+
+    def freeze(self) -> None:
+        """SIGSTOP: the port still accepts connections, nothing answers."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        self._terminate()
         self._dir.cleanup()
 
 

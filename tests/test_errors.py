@@ -152,7 +152,7 @@ def test_a_dead_worker_is_named_in_torchs_words(ds: Any, restarts: int) -> None:
         next(iter(it))
     text = str(info.value)
     assert isinstance(info.value, RuntimeError)
-    assert re.sub(r"pid \d+", "pid N", text).startswith(expected + " Details: worker 0 (pid ")
+    assert re.sub(r"pid \d+", "pid N", text).startswith(expected + " (aioloader worker 0")
     if isinstance(ds, datasets.SignalDataset):
         assert expected == "DataLoader worker (pid N) is killed by signal: Segmentation fault."
         assert re.search(r"DataLoader worker \(pid \d+\) is killed by signal: ", text)
@@ -378,3 +378,25 @@ async def test_crash_is_an_error_when_warnings_are_errors(tmp_path: Path) -> Non
             with pytest.raises(WorkerCrashedError, match="not restarted") as info:
                 await collect(loader, limit=60)
     assert isinstance(info.value.__cause__, RuntimeWarning)
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+async def test_a_segfaulting_worker_is_reported_in_torchs_words(restarts: int) -> None:
+    """torch's test_segfault matches r"DataLoader worker \\(pid \\d+\\) is killed by signal: "."""
+    loader = AsyncDataLoader(
+        datasets.SegfaultDataset(8, at=2),
+        batch_size=2,
+        num_workers=1,
+        max_worker_restarts=restarts,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the restart's warning, restarts=1
+        async with loader, asyncio.timeout(60):
+            with pytest.raises(WorkerCrashedError) as info:
+                async for _ in loader:
+                    pass
+    assert isinstance(info.value, RuntimeError)
+    assert re.search(
+        r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault", str(info.value)
+    ), str(info.value)
+    assert info.value.exitcode == -signal.SIGSEGV

@@ -84,6 +84,11 @@ def test_interrupting_a_cell_mid_epoch_releases_the_workers_and_the_cell_runs_ag
     assert report["workers_after_interrupt"] == 0, report
     assert "batches after the interrupt: 32" in report["rerun_cell"], report
     assert report["workers_after_rerun"] == 0, report
+    # Interrupted during the workers' start-up: the cell shows the interrupt and nothing of the
+    # workers (which ignore the ^C that reached their process group).
+    assert "Traceback" not in report["startup_cell"], report["startup_cell"]
+    assert 'File "' not in report["startup_cell"], report["startup_cell"]
+    assert report["workers_after_startup_interrupt"] == 0, report
     if psutil.pid_exists(report["kernel_pid"]):
         _, alive = psutil.wait_procs([psutil.Process(report["kernel_pid"])], timeout=10)
         assert not alive, "the kernel outlived its client"

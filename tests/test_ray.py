@@ -9,14 +9,22 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from aioloader import AsyncDataLoader
 from tests import datasets
-from tests.conftest import live_loader_actors
+from tests.conftest import live_loader_actors, loader_actor_pids, ray_actor_ids
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'aioloader[ray]'")
 from aioloader.ray import RayWorkers  # noqa: E402  (needs ray)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.allow_leaks  # Ray's own threads and sockets; the actors are checked below
@@ -28,6 +36,7 @@ async def test_killed_actor_is_replaced_and_batches_arrive_once_in_order(
     ds = datasets.GatedDataset(24, open_below=4, gate=str(gate), limit=60)
     loader = AsyncDataLoader(ds, batch_size=2, num_workers=2, executor=RayWorkers(num_cpus=0))
     got: list[Any] = []
+    earlier_actors = ray_actor_ids()
     with pytest.warns(RuntimeWarning, match=r"Ray actor worker 1 .*died.*send_idx=3"):
         async with loader:
             it = aiter(loader)
@@ -41,6 +50,11 @@ async def test_killed_actor_is_replaced_and_batches_arrive_once_in_order(
                 gate.touch()
                 got += [b async for b in it]
                 stats = loader.stats()
+        pids = loader_actor_pids(since=earlier_actors)
+    # aclose() returned: every actor process, the killed one and the replacement's included, has
+    # exited (Ray reports an actor dead before its process is gone).
+    assert len(pids) == 4, pids
+    assert [p for p in pids if _running(p)] == []
     assert [b.flatten().tolist() for b in got] == [[i, i + 1] for i in range(0, 24, 2)]
     assert stats.worker_restarts == 1
     assert live_loader_actors() == []

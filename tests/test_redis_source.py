@@ -4,9 +4,11 @@ a server that goes away."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,15 +21,19 @@ from aioloader import AsyncDataLoader
 from tests.redis_server import RedisServer
 
 redis = pytest.importorskip("redis", reason="the redis package is not installed ([redis] extra)")
-from aioloader.sources.redis import RedisStreamSource, StreamEntry  # noqa: E402
+from aioloader.sources.redis import (  # noqa: E402
+    RedisStreamSource,
+    StreamConnectionError,
+    StreamEntry,
+)
 from tests.redis_consumer import to_sample  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _server() -> RedisServer:
+def _server(persist: bool = False) -> RedisServer:
     try:
-        return RedisServer()
+        return RedisServer(persist=persist)
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
 
@@ -86,8 +92,9 @@ async def test_entries_arrive_in_order_and_are_acknowledged(redis_url: str) -> N
     assert pending(redis_url, stream, "g") == 0
 
 
+@pytest.mark.parametrize("restart_as", ["b", "a"], ids=["new-name", "same-name"])
 async def test_a_killed_consumer_loses_nothing_and_acks_only_what_it_trained(
-    redis_url: str, tmp_path: Path
+    redis_url: str, tmp_path: Path, restart_as: str
 ) -> None:
     stream = f"s-{uuid.uuid4().hex}"
     ids = produce(redis_url, stream, 300)
@@ -109,7 +116,9 @@ async def test_a_killed_consumer_loses_nothing_and_acks_only_what_it_trained(
         a.send_signal(signal.SIGKILL)
         await a.wait()
 
-    # Consumer "b" (here): another name, so what "a" read comes to it through XAUTOCLAIM.
+    # The replacement (here). Under another name, what "a" read comes to it through XAUTOCLAIM
+    # after claim_idle_s; under the same name it re-reads its own pending entries at once, and
+    # never claims (claim_idle_s is far longer than the test).
     batches_b: list[list[str]] = []
     acks_b: list[list[str]] = []
 
@@ -122,10 +131,10 @@ async def test_a_killed_consumer_loses_nothing_and_acks_only_what_it_trained(
         redis_url,
         stream,
         "trainers",
-        "b",
+        restart_as,
         count=32,
         block_s=0.05,
-        claim_idle_s=0.3,
+        claim_idle_s=0.3 if restart_as == "b" else 300.0,
         claim_every_s=0.2,
         stop_after_idle_s=1.0,
     )
@@ -170,24 +179,139 @@ async def test_a_server_that_goes_away_is_an_error_not_a_hang(acked: bool) -> No
     try:
         produce(server.url, "s", 40)
         cls = RedisStreamSource if acked else Unacked
-        src = cls(server.url, "s", "g", "c", count=8, block_s=0.05)
+        src = cls(server.url, "s", "g", "c", count=8, block_s=0.05, reconnect_for_s=0.5)
         async with src, AsyncDataLoader(src, batch_size=4, num_workers=1, transform=ids_of) as ld:
             it = aiter(ld)
             async with asyncio.timeout(60):
                 await anext(it)
                 server.stop()
-                with pytest.raises(redis.RedisError) as info:
+                with pytest.raises(StreamConnectionError) as info:
                     for _ in range(100):
                         await anext(it)
     finally:
         server.stop()
-    assert any("Redis stream 's'" in note for note in info.value.__notes__)
+    # A built-in ConnectionError, so `except ConnectionError` catches it; the client's own error
+    # is chained.
+    assert isinstance(info.value, ConnectionError)
+    assert isinstance(info.value.__cause__, (redis.ConnectionError, redis.TimeoutError))
+    assert "Redis stream 's'" in str(info.value)
+    assert "unreachable" in str(info.value)
+
+
+async def _drain(loader: AsyncDataLoader[Any], on_first: Any = None) -> list[str]:
+    """Every id delivered in one epoch, in delivery order; ``on_first`` runs after batch one."""
+    got: list[str] = []
+    async with asyncio.timeout(90):
+        async for batch in loader:
+            if not got and on_first is not None:
+                await on_first()
+            got += batch["id"]
+    return got
+
+
+async def test_a_restarted_server_is_reconnected_to_within_the_epoch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = _server(persist=True)
+    try:
+        first = produce(server.url, "s", 40)
+        later: list[str] = []
+        src = RedisStreamSource(
+            server.url, "s", "g", "c", count=8, block_s=0.05, stop_after_idle_s=2.0
+        )
+
+        def restart() -> None:
+            server.stop_only()
+            time.sleep(1.0)  # the reader polls a refusing port meanwhile
+            server.start()
+            later.extend(produce(server.url, "s", 40))
+
+        tasks: list[asyncio.Task[None]] = []
+
+        async def restart_in_background() -> None:
+            tasks.append(asyncio.create_task(asyncio.to_thread(restart)))
+
+        caplog.set_level(logging.WARNING, logger="aioloader.sources.redis")
+        async with src, AsyncDataLoader(src, batch_size=4, num_workers=1, transform=ids_of) as ld:
+            got = await _drain(ld, restart_in_background)
+            async with asyncio.timeout(30):
+                await tasks[0]
+        # At least once: everything produced before and after the restart, nothing else; all
+        # acknowledged.
+        assert set(got) == set(first) | set(later)
+        assert pending(server.url, "s", "g") == 0
+    finally:
+        server.stop()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("lost the server" in m for m in messages) == 1, messages
+    assert sum("reconnected after" in m for m in messages) == 1, messages
+
+
+async def test_a_frozen_server_is_waited_for_and_nothing_is_lost() -> None:
+    server = _server()
+    try:
+        ids = produce(server.url, "s", 60)
+        src = RedisStreamSource(
+            server.url, "s", "g", "c", count=8, block_s=0.05, socket_timeout_s=0.3,
+            stop_after_idle_s=1.0,
+        )  # fmt: skip
+
+        async def freeze() -> None:
+            server.freeze()
+            asyncio.get_running_loop().call_later(2.0, server.thaw)
+
+        async with src, AsyncDataLoader(src, batch_size=4, num_workers=1, transform=ids_of) as ld:
+            got = await _drain(ld, freeze)
+        assert set(got) == set(ids)
+        assert pending(server.url, "s", "g") == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("reconnect_for_s", [0.0, 1.0])
+async def test_a_frozen_server_raises_within_the_documented_bound(reconnect_for_s: float) -> None:
+    """Noticed after block_s + socket_timeout_s; raised at most reconnect_for_s later."""
+    server = _server()
+    block_s, socket_timeout_s = 0.05, 0.5
+    bound = reconnect_for_s + block_s + socket_timeout_s
+    try:
+        produce(server.url, "s", 8)
+        src = RedisStreamSource(
+            server.url, "s", "g", "c", count=4, block_s=block_s,
+            socket_timeout_s=socket_timeout_s, reconnect_for_s=reconnect_for_s,
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        async with src, AsyncDataLoader(src, batch_size=4, num_workers=1, transform=ids_of) as ld:
+            it = aiter(ld)
+            async with asyncio.timeout(60):
+                await anext(it)
+                server.freeze()
+                frozen_at = loop.time()
+                with pytest.raises(StreamConnectionError) as info:
+                    for _ in range(100):
+                        await anext(it)
+                took = loop.time() - frozen_at
+            server.thaw()
+    finally:
+        server.stop()
+    assert isinstance(info.value.__cause__, redis.TimeoutError)
+    # The lower end is exact; the upper leaves room for a loaded machine's scheduling, but is far
+    # below what the client's own retries used to cost (4 socket timeouts, 21 s by default).
+    assert bound - 0.1 <= took <= bound + 2.0, (took, bound)
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"count": 0}, {"block_s": 0}, {"claim_idle_s": -1}, {"stop_after_idle_s": 0}],
-    ids=["count", "block", "claim", "idle"],
+    [
+        {"count": 0},
+        {"block_s": 0},
+        {"claim_idle_s": -1},
+        {"stop_after_idle_s": 0},
+        {"reconnect_for_s": -1},
+        {"reconnect_delay_s": 0},
+        {"reconnect_max_delay_s": "1"},
+    ],
+    ids=["count", "block", "claim", "idle", "reconnect", "delay", "max-delay"],
 )
 def test_bad_source_arguments_say_what_is_wrong(kwargs: dict[str, Any]) -> None:
     name = next(iter(kwargs))

@@ -31,6 +31,7 @@ from torch.utils.data import (
 )
 
 from aioloader import AsyncDataLoader
+from tests import datasets
 from tests import resume_data as rd
 
 N = 22  # samples: with batch_size 4, five full batches and a partial one
@@ -513,6 +514,7 @@ import asyncio, json, os, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch.utils.data import DistributedSampler
 from aioloader import AsyncDataLoader
+from tests import datasets
 from tests import resume_data as rd
 
 N = 30
@@ -588,6 +590,7 @@ def test_two_ranks_with_torch_distributed(tmp_path: Path) -> None:
 _TRAIN = """
 import asyncio, json, os, sys, torch
 from aioloader import AsyncDataLoader
+from tests import datasets
 from tests import resume_data as rd
 
 path = sys.argv[1]
@@ -652,3 +655,60 @@ def test_resume_after_sigkill_is_exactly_once(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(path.read_text())["seen"]
     assert sorted(seen) == list(range(60))  # every sample once over the two runs
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [{"batch_size": 8}, {"drop_last": True}, {"n": 60}, {"seeding": "batch"}],
+    ids=["batch_size", "drop_last", "sampler_len", "seeding"],
+)
+async def test_a_mid_epoch_state_is_refused_by_a_loader_that_batches_differently(
+    changed: dict[str, object],
+) -> None:
+    """Received batches are skipped by count: another batching would skip undelivered samples."""
+    base: dict[str, Any] = {"n": 62, "batch_size": 4, "drop_last": False, "seeding": "worker"}
+
+    def make(**kw: Any) -> AsyncDataLoader[Any]:
+        n = kw.pop("n")
+        return AsyncDataLoader(datasets.RangeDataset(n), **kw)
+
+    first = make(**base)
+    async with asyncio.timeout(60):
+        got = 0
+        async for _ in first:
+            got += 1
+            if got == 5:
+                break
+    state = first.state_dict()
+    field = "sampler_len" if "n" in changed else next(iter(changed))
+    with pytest.raises(ValueError, match=f"saved mid-epoch by a loader with {field}="):
+        make(**{**base, **changed}).load_state_dict(state)
+    # The same loader resumes; a state saved at an epoch's end loads into any batching.
+    make(**base).load_state_dict(state)
+    async with asyncio.timeout(60):
+        async for _ in first:
+            pass
+    make(**{**base, **changed}).load_state_dict(first.state_dict())
+
+
+def test_an_epoch_end_resume_leaves_the_global_rng_where_the_uninterrupted_run_does() -> None:
+    """shuffle=True without a generator: RandomSampler's seed comes from the global RNG, and a
+    resumed run must draw it from there too (it drew from a copy: later epochs differed)."""
+
+    def make() -> Any:
+        return AsyncDataLoader(datasets.RangeDataset(10), batch_size=None, shuffle=True).sync()
+
+    def flat(dl: Any) -> list[int]:
+        return [int(x) for x in dl]
+
+    torch.manual_seed(0)
+    with make() as dl:
+        uninterrupted = [flat(dl) for _ in range(4)]
+    torch.manual_seed(0)
+    with make() as dl:
+        flat(dl), flat(dl)
+        state = dl.state_dict()  # the end of epoch 1: the start of epoch 2
+    with make() as dl:
+        dl.load_state_dict(state)
+        resumed = [flat(dl), flat(dl)]
+    assert resumed == uninterrupted[2:]

@@ -423,3 +423,41 @@ def test_batches_of_nested_tensors_as_in_torchs_own_test(method: str) -> None:
     for (batch,), sample in zip(got, ds, strict=True):
         assert batch.is_nested
         assert [x.tolist() for x in batch.unbind()] == [x.tolist() for x in sample.unbind()]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> str:
+    """'' when ``b`` is ``a`` moved across processes: type, layout, dtype, grad, values."""
+    if type(a) is not type(b):
+        return f"type {type(a).__name__} != {type(b).__name__}"
+    for attr in ("layout", "dtype", "requires_grad", "is_nested", "is_quantized"):
+        if getattr(a, attr) != getattr(b, attr):
+            return f"{attr} {getattr(a, attr)} != {getattr(b, attr)}"
+    if a.is_nested:
+        ok = all(torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind(), strict=True))
+    elif a.is_quantized:
+        ok = torch.equal(a.int_repr(), b.int_repr()) and a.q_scale() == b.q_scale()
+    else:
+        if a.layout is not torch.strided:
+            a, b = a.to_dense(), b.to_dense()
+        # Lazy conjugate/negative views: the values they stand for.
+        ok = torch.equal(
+            a.detach().resolve_conj().resolve_neg(), b.detach().resolve_conj().resolve_neg()
+        )
+    return "" if ok else "values"
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+async def test_every_tensor_kind_torchs_loader_moves_arrives_intact(ctx: str) -> None:
+    """Nested, sparse, quantized, lazily conjugated or negated, subclasses, parameters...: the
+    inline and channel transports take plain dense tensors, torch's reductions the rest."""
+    loader = AsyncDataLoader(
+        datasets.TensorKinds(), batch_size=None, num_workers=1, multiprocessing_context=ctx
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        expected = datasets.tensor_kinds()
+        async with loader, asyncio.timeout(120):
+            got = [b async for b in loader]
+    assert len(got) == 2
+    diffs = {k: d for k, v in expected.items() if (d := _same(v, got[0][k]))}
+    assert diffs == {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import subprocess
@@ -219,3 +220,17 @@ async def test_conjugated_and_negated_views_arrive_with_their_values() -> None:
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g["conj"], w["conj"].resolve_conj())
         assert torch.equal(g["neg"], w["neg"].resolve_neg())
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+async def test_a_datapipes_sharding_filter_splits_the_data_between_workers(
+    num_workers: int,
+) -> None:
+    """As torch's workers do: every sample once (they each yielded all of it)."""
+    import torch.utils.data.datapipes as dp
+
+    pipe = dp.iter.IterableWrapper(list(range(10))).sharding_filter()
+    loader = AsyncDataLoader(pipe, num_workers=num_workers)
+    async with loader, asyncio.timeout(60):
+        got = sorted([int(x) async for x in loader])
+    assert got == list(range(10))

@@ -20,6 +20,7 @@ import torch
 from aioloader.benchmark import backends
 from aioloader.benchmark._harness import (
     AIO,
+    AIO_OPTIONS,
     SPDL,
     TORCH,
     Config,
@@ -29,7 +30,8 @@ from aioloader.benchmark._harness import (
     run_once,
     spdl_available,
 )
-from aioloader.benchmark._load import LoadMeter, OtherLoad
+from aioloader.benchmark._limit import LIMIT
+from aioloader.benchmark._load import BackgroundLoad, LoadMeter, OtherLoad
 from aioloader.benchmark._report import format_table, machine_info, write_plot
 from aioloader.benchmark.big import bench_big
 from aioloader.benchmark.cpu import bench_cpu
@@ -103,6 +105,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--batch-size", type=int, default=32, help="batch size for --dataset")
     p.add_argument("--batches", type=int, default=50, help="timed batches per round, --dataset")
+    p.add_argument(
+        "--worker-nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="aioloader's worker_nice for the run (default: the loader's own default)",
+    )
+    p.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy-looping processes at nice 0 beside every loader and limit for the "
+        "whole run, to read each figure under load (default 0: a quiet machine)",
+    )
     args = p.parse_args(argv)
     names = [n.strip() for w in args.workload for n in w.split(",") if n.strip()]
     if args.dataset and not names:
@@ -118,12 +135,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--rounds must be at least 3")
     if args.workers < 1:
         p.error("--workers must be at least 1")
+    if args.background_load < 0:
+        p.error("--background-load must be at least 0")
     args.names = list(dict.fromkeys(names))
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.worker_nice is not None:
+        AIO_OPTIONS["worker_nice"] = args.worker_nice
     aio_class()  # fail fast, before minutes of torch-only runs
     loaders = [TORCH, AIO] + ([SPDL] if spdl_available() else [])
     started = time.perf_counter()
@@ -144,24 +165,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_once(name, TinyDataset(64), loader_kwargs(cfg, 8), 1)
     rows: list[Row] = []
     loads: dict[str, OtherLoad] = {}
-    meter = LoadMeter()
-    for name in args.names:
-        progress(f"workload {name}")
-        meter.start()
-        rows += BENCHES[name](cfg)
-        load = meter.stop()
-        if load is not None:
-            loads[name] = load
-            progress(f"{name}: {load.describe()}")
-    # Workloads that compare more loaders (the executors) add their columns.
-    extra = [c for c in backends.COLUMNS if any(c in r.rounds for r in rows)]
+    with BackgroundLoad(args.background_load) as background:
+        meter = LoadMeter(exclude=background.pids)
+        if args.background_load:
+            progress(f"background load: {args.background_load} busy process(es) at nice 0")
+        for name in args.names:
+            progress(f"workload {name}")
+            meter.start()
+            rows += BENCHES[name](cfg)
+            load = meter.stop()
+            if load is not None:
+                loads[name] = load
+                progress(f"{name}: {load.describe()}")
+    # Workloads that compare more loaders (the executors, the machine's limit) add columns.
+    extra = [c for c in (*backends.COLUMNS, LIMIT) if any(c in r.rounds for r in rows)]
     loaders = loaders + extra
     table = format_table(rows, loaders)
     print(table)
     elapsed = time.perf_counter() - started
     print(
         f"\n{len(rows)} rows in {elapsed:.0f}s; workers={args.workers}, rounds={args.rounds}, "
-        f"cpus={os.cpu_count()}, torch {torch.__version__}"
+        f"cpus={os.cpu_count()}, torch {torch.__version__}, "
+        f"background load {args.background_load}, worker_nice "
+        f"{AIO_OPTIONS.get('worker_nice', 'default')}"
     )
     if loads:
         # Ratios taken while other processes kept cores busy are less reliable: say how busy.
@@ -172,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine": machine_info(),
             "argv": list(argv if argv is not None else sys.argv),
             "elapsed_s": elapsed,
+            "background_load": args.background_load,
+            "aioloader_options": AIO_OPTIONS,
             "loaders": loaders,
             "other_load": {
                 name: {"others_cores": ld.others, "benchmark_cores": ld.ours, "cores": ld.cores}

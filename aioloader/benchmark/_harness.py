@@ -7,6 +7,7 @@ warm-up batches; the rows keep every round so the report can take medians and ra
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import statistics
 import threading
@@ -156,11 +157,18 @@ class PssSampler:
 # --------------------------------------------------------------------------------------------
 
 
+#: Extra arguments for every aioloader loader of the run (``--worker-nice``).
+AIO_OPTIONS: dict[str, Any] = {}
+
+
 def aio_class() -> Any:
+    """``AsyncDataLoader``, with the run's :data:`AIO_OPTIONS` bound."""
     try:
         from aioloader import AsyncDataLoader
     except ImportError as exc:  # the core may not be importable on a partial checkout
         raise SystemExit(f"aioloader.AsyncDataLoader is not importable: {exc}") from exc
+    if AIO_OPTIONS:
+        return functools.partial(AsyncDataLoader, **AIO_OPTIONS)
     return AsyncDataLoader
 
 

@@ -26,7 +26,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from aioloader._loader import AsyncDataLoader
-from aioloader.benchmark._harness import AIO, TORCH, Config, Row, plan, ratio_check
+from aioloader.benchmark._harness import Config, Row, aio_class, plan, ratio_check
+from aioloader.benchmark._limit import LIMIT, bare_round_trip
+from aioloader.benchmark.tiny import fraction_of_limit
 
 __all__ = ("PacedSource", "bench_stream", "measure_stream")
 
@@ -132,7 +134,7 @@ async def _latencies_aio(
 ) -> tuple[list[float], float]:
     lat: list[float] = []
     loader: AsyncDataLoader[Any]
-    async with AsyncDataLoader(
+    async with aio_class()(
         PacedSource(n, rate),
         batch_size=batch_size,
         num_workers=workers,
@@ -165,7 +167,7 @@ def measure_stream(
     out: dict[str, dict[str, list[float]]] = {}
 
     def add(metric: str, name: str, value: float) -> None:
-        out.setdefault(metric, {"torch": [], "aioloader": []})[name].append(value)
+        out.setdefault(metric, {"torch": [], "aioloader": []}).setdefault(name, []).append(value)
 
     for r in range(rounds):
         for rate in rates:
@@ -192,6 +194,12 @@ def measure_stream(
                         _latencies_aio(n, None, batch_size, latency_s, aio_workers, 0)
                     )
                 add(metric, name, n / took)
+            if aio_workers:
+                # The shape's limit: one round trip per batch through the same number of worker
+                # processes, the events' collated size (seq, time, 16 floats each) coming back.
+                trips = max(1, n // batch_size)
+                res = bare_round_trip(aio_workers, batch_size * (8 + 8 + FEATURES * 4), trips)
+                add(metric, LIMIT, trips * batch_size / res.seconds)
         progress(f"round {r + 1}/{rounds}")
     return out
 
@@ -213,8 +221,15 @@ def bench_stream(cfg: Config) -> list[Row]:
     rows = []
     for metric, rounds in measured.items():
         better = "higher" if metric.startswith("events/s") else "lower"
-        row = Row("stream", metric, better, {TORCH: rounds[TORCH], AIO: rounds[AIO]}, note=note)
+        row = Row("stream", metric, better, dict(rounds), note=note)
         if metric == "p99 latency ms @100/s":
             ratio_check(row, "<=", 0.1)  # size-or-time windows against size-only batches
+        elif metric.endswith("@10000/s"):
+            ratio_check(row, "<=", 1.0)  # a fast stream: at or below torch's latency
+        elif LIMIT in rounds:
+            ratio_check(row, ">=", 1.5)
         rows.append(row)
+        if LIMIT in rounds:
+            label = f" (unpaced, num_workers={cfg.workers})"
+            rows.append(fraction_of_limit("stream", label, rounds))
     return rows

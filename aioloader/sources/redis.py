@@ -9,27 +9,50 @@ consumer was killed, or left with ``break``) stay in the group's pending list an
 * by any consumer of the group, which claims entries pending for longer than ``claim_idle_s`` on
   other (dead) consumers with ``XAUTOCLAIM``, at start and every ``claim_every_s``.
 
-A server that goes away raises the client's ``ConnectionError`` (after the client's few retries)
-at the batch's position in the consumer, with a note naming the stream; it never hangs.
+A lost server (refused, reset, or frozen so that a reply takes longer than ``block_s +
+socket_timeout_s``) is reconnected to with exponential backoff for up to ``reconnect_for_s``
+seconds; within that time the epoch goes on where it stopped, still at least once. Past it,
+:class:`StreamConnectionError` (a ``ConnectionError``) is raised at the batch's position in the
+consumer, chaining the client's error; it never hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NamedTuple, TypeVar
+
+from .._errors import AioLoaderError
 
 try:
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
-    from redis.backoff import ExponentialBackoff
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import RedisError, ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "aioloader.sources.redis needs the redis package: pip install 'aioloader[redis]'"
     ) from exc
 
-__all__ = ("RedisStreamSource", "StreamEntry")
+__all__ = ("RedisStreamSource", "StreamConnectionError", "StreamEntry")
+
+_logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+# What a lost, restarting or frozen server raises. Everything else (a wrong command, a missing
+# permission) is an answer from a live server and is raised at once.
+_LOST = (RedisConnectionError, RedisTimeoutError)
+
+
+class StreamConnectionError(AioLoaderError, ConnectionError):
+    """Raised by :class:`RedisStreamSource` when the server stayed unreachable for
+    ``reconnect_for_s`` seconds.
+
+    A ``ConnectionError``, so ``except ConnectionError`` catches it; ``__cause__`` is the
+    ``redis`` client's last error (``redis.exceptions.ConnectionError`` or ``TimeoutError``).
+    """
 
 
 class StreamEntry(NamedTuple):
@@ -59,7 +82,15 @@ class RedisStreamSource:
         claim_every_s: How often stale entries are looked for.
         start_id: Where a newly created group starts: ``"0"`` (the whole stream) or ``"$"`` (only
             entries added from now on).
-        socket_timeout_s: A reply slower than ``block_s`` plus this fails as a lost connection.
+        socket_timeout_s: A reply slower than ``block_s`` plus this fails as a lost connection
+            (a frozen server is noticed after ``block_s + socket_timeout_s``).
+        reconnect_for_s: How long to keep reconnecting to a lost server before raising
+            :class:`StreamConnectionError`, counted from the first failure; ``0`` raises at the
+            first failure, ``None`` reconnects forever. The error comes at most ``reconnect_for_s
+            + block_s + socket_timeout_s`` after the server was lost.
+        reconnect_delay_s: The first wait between reconnection attempts; each next wait doubles,
+            up to ``reconnect_max_delay_s``.
+        reconnect_max_delay_s: The longest wait between two attempts.
         stop_after_idle_s: End the iteration (so the epoch finishes and its last batch is
             acknowledged) once no entry arrived for this long; ``None`` (the default) reads
             forever. For draining a backlog, and for tests.
@@ -79,6 +110,9 @@ class RedisStreamSource:
         start_id: str = "0",
         socket_timeout_s: float = 5.0,
         stop_after_idle_s: float | None = None,
+        reconnect_for_s: float | None = 60.0,
+        reconnect_delay_s: float = 0.1,
+        reconnect_max_delay_s: float = 5.0,
     ) -> None:
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"count should be a positive int (entries per read), got {count!r}")
@@ -88,9 +122,20 @@ class RedisStreamSource:
             ("claim_every_s", claim_every_s),
             ("socket_timeout_s", socket_timeout_s),
             ("stop_after_idle_s", 1.0 if stop_after_idle_s is None else stop_after_idle_s),
+            ("reconnect_delay_s", reconnect_delay_s),
+            ("reconnect_max_delay_s", reconnect_max_delay_s),
         ):
             if not isinstance(fvalue, (int, float)) or isinstance(fvalue, bool) or fvalue <= 0:
                 raise ValueError(f"{name} should be a positive number of seconds, got {fvalue!r}")
+        if reconnect_for_s is not None and (
+            not isinstance(reconnect_for_s, (int, float))
+            or isinstance(reconnect_for_s, bool)
+            or reconnect_for_s < 0
+        ):
+            raise ValueError(
+                "reconnect_for_s should be a number of seconds >= 0 (0: never reconnect) or None "
+                f"(reconnect forever), got {reconnect_for_s!r}"
+            )
         self.url = url
         self.stream = stream
         self.group = group
@@ -102,9 +147,17 @@ class RedisStreamSource:
         self.start_id = start_id
         self.socket_timeout_s = socket_timeout_s
         self.stop_after_idle_s = stop_after_idle_s
+        self.reconnect_for_s = reconnect_for_s
+        self.reconnect_delay_s = reconnect_delay_s
+        self.reconnect_max_delay_s = reconnect_max_delay_s
         self._client: aioredis.Redis | None = None
-        # Entries yielded and not acknowledged yet: XAUTOCLAIM must not hand them to us twice.
+        # Entries yielded and not acknowledged yet: XAUTOCLAIM, or a re-read of this consumer's
+        # pending entries after a reconnect, must not hand them to us twice.
         self._held: set[str] = set()
+        # Set on a reconnect: a reply lost with the connection may have moved entries into this
+        # consumer's pending list that were never yielded, and a restarted server may have lost
+        # the group. The reader re-creates the group and re-reads its pending entries.
+        self._resync = False
 
     def __repr__(self) -> str:
         return (
@@ -132,23 +185,70 @@ class RedisStreamSource:
                 protocol=2,  # the reply shapes parsed here
                 socket_timeout=self.block_s + self.socket_timeout_s,
                 socket_connect_timeout=self.socket_timeout_s,
-                # A few quick retries ride out a blip; a server that is gone fails in ~1 s.
-                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                # No retries in the client: each of its attempts can take a whole socket timeout
+                # (a frozen server), which would multiply the documented bound. _call retries.
+                retry=Retry(NoBackoff(), 0),
             )
         return self._client
 
-    def _lost(self, exc: RedisError) -> RedisError:
-        exc.add_note(
-            f"aioloader: Redis stream {self.stream!r} (group {self.group!r}, consumer "
-            f"{self.consumer!r}) at {self.url} failed. Entries read but not acknowledged stay "
-            "pending on the server and are delivered again when a consumer of the group restarts."
+    def _lost(self, exc: RedisError, down_s: float) -> StreamConnectionError:
+        return StreamConnectionError(
+            f"Redis stream {self.stream!r} (group {self.group!r}, consumer {self.consumer!r}) at "
+            f"{self.url}: the server was unreachable for {down_s:.1f} s "
+            f"(reconnect_for_s={self.reconnect_for_s}): {type(exc).__name__}: {exc}. Entries read "
+            "but not acknowledged stay pending on the server and are delivered again when a "
+            "consumer of the group restarts."
         )
-        return exc
+
+    async def _call(self, command: Callable[[aioredis.Redis], Awaitable[_T]]) -> _T:
+        """Runs one idempotent command, reconnecting to a lost server for ``reconnect_for_s``."""
+        loop = asyncio.get_running_loop()
+        down_since: float | None = None
+        attempts = 0
+        while True:
+            try:
+                result = await command(self._redis())
+            except _LOST as exc:
+                now = loop.time()
+                if down_since is None:
+                    down_since = now
+                    if self.reconnect_for_s != 0:
+                        _logger.warning(
+                            "%r: lost the server (%s: %s); reconnecting for up to %s s",
+                            self,
+                            type(exc).__name__,
+                            exc,
+                            "unlimited" if self.reconnect_for_s is None else self.reconnect_for_s,
+                        )
+                left = (
+                    None
+                    if self.reconnect_for_s is None
+                    else (down_since + self.reconnect_for_s - now)
+                )
+                if left is not None and left <= 0:
+                    raise self._lost(exc, now - down_since) from exc
+                delay = min(self.reconnect_max_delay_s, self.reconnect_delay_s * 2**attempts)
+                attempts += 1
+                # A fresh connection for the next attempt: the client drops a failed one, and
+                # a server that restarted has forgotten this group unless it persisted it.
+                await asyncio.sleep(delay if left is None else min(delay, left))
+                continue
+            if down_since is not None:
+                _logger.warning(
+                    "%r: reconnected after %.1f s (%d attempts)",
+                    self,
+                    loop.time() - down_since,
+                    attempts + 1,
+                )
+                self._resync = True
+            return result
 
     async def ensure_group(self) -> None:
         """Create the consumer group (and the stream) unless they exist."""
         try:
-            await self._redis().xgroup_create(self.stream, self.group, self.start_id, mkstream=True)
+            await self._call(
+                lambda r: r.xgroup_create(self.stream, self.group, self.start_id, mkstream=True)
+            )
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -158,55 +258,60 @@ class RedisStreamSource:
         ids = [s.id for s in samples]
         if not ids:
             return
-        try:
-            await self._redis().xack(self.stream, self.group, *ids)
-        except RedisError as exc:
-            raise self._lost(exc) from None
+        # XACK is idempotent: repeating it after a lost reply is safe.
+        await self._call(lambda r: r.xack(self.stream, self.group, *ids))
         self._held.difference_update(ids)
 
     async def __aiter__(self) -> AsyncIterator[StreamEntry]:
         self._held.clear()  # a new epoch: nothing of this consumer's is in a batch in flight
-        try:
-            await self.ensure_group()
-            async for entry in self._own_pending():
-                yield entry
-            loop = asyncio.get_running_loop()
-            next_claim = last_entry = loop.time()
-            while True:
-                if loop.time() >= next_claim:
-                    async for entry in self._claim_stale():
-                        last_entry = loop.time()
-                        yield entry
-                    next_claim = loop.time() + self.claim_every_s
-                reply = await self._redis().xreadgroup(
-                    self.group,
-                    self.consumer,
-                    {self.stream: ">"},
-                    count=self.count,
-                    block=max(1, round(self.block_s * 1000)),
-                )
-                entries = self._entries(reply)
-                for entry in entries:
+        self._resync = False
+        await self.ensure_group()
+        async for entry in self._own_pending():
+            yield entry
+        loop = asyncio.get_running_loop()
+        next_claim = last_entry = loop.time()
+        block_ms = max(1, round(self.block_s * 1000))
+        while True:
+            if self._resync:
+                self._resync = False
+                await self.ensure_group()
+                # Time without a server is not a quiet stream.
+                last_entry = loop.time()
+                async for entry in self._own_pending():
+                    last_entry = loop.time()
                     yield entry
-                now = loop.time()
-                if entries:
-                    last_entry = now
-                elif (
-                    self.stop_after_idle_s is not None
-                    and now - last_entry >= self.stop_after_idle_s
-                ):
-                    return
-        except RedisError as exc:
-            raise self._lost(exc) from None
+            if loop.time() >= next_claim:
+                async for entry in self._claim_stale():
+                    last_entry = loop.time()
+                    yield entry
+                next_claim = loop.time() + self.claim_every_s
+            # Not idempotent (">" moves entries into our pending list), so a reply lost with
+            # the connection is recovered by the resync above, not by repeating the read.
+            reply = await self._call(
+                lambda r: r.xreadgroup(
+                    self.group, self.consumer, {self.stream: ">"}, count=self.count, block=block_ms
+                )
+            )
+            entries = self._entries(reply)
+            for entry in entries:
+                yield entry
+            now = loop.time()
+            if entries:
+                last_entry = now
+            elif self.stop_after_idle_s is not None and now - last_entry >= self.stop_after_idle_s:
+                return
 
     async def _own_pending(self) -> AsyncIterator[StreamEntry]:
-        """What this consumer name read before (a restart) and never acknowledged."""
+        """What this consumer name read before (a restart, a lost reply) and never acknowledged,
+        less what is already in a batch of this epoch."""
         cursor = "0"
         while True:
-            reply = await self._redis().xreadgroup(
-                self.group, self.consumer, {self.stream: cursor}, count=self.count
+            reply = await self._call(
+                lambda r, cursor=cursor: r.xreadgroup(  # type: ignore[misc]
+                    self.group, self.consumer, {self.stream: cursor}, count=self.count
+                )
             )
-            entries, last = self._entries(reply), _last_id(reply)
+            entries, last = self._entries(reply, skip=self._held), _last_id(reply)
             for entry in entries:
                 yield entry
             if last is None:
@@ -217,13 +322,15 @@ class RedisStreamSource:
         """Entries pending on dead consumers for longer than ``claim_idle_s``, claimed."""
         cursor = "0-0"
         while True:
-            reply: Any = await self._redis().xautoclaim(
-                self.stream,
-                self.group,
-                self.consumer,
-                min_idle_time=max(1, round(self.claim_idle_s * 1000)),
-                start_id=cursor,
-                count=self.count,
+            reply: Any = await self._call(
+                lambda r, start=cursor: r.xautoclaim(  # type: ignore[misc]
+                    self.stream,
+                    self.group,
+                    self.consumer,
+                    min_idle_time=max(1, round(self.claim_idle_s * 1000)),
+                    start_id=start,
+                    count=self.count,
+                )
             )
             cursor = reply[0]
             for entry_id, fields in reply[1]:
@@ -233,10 +340,13 @@ class RedisStreamSource:
             if cursor in ("0-0", "0"):
                 return
 
-    def _entries(self, reply: Any) -> list[StreamEntry]:
+    def _entries(
+        self, reply: Any, skip: set[str] | frozenset[str] = frozenset()
+    ) -> list[StreamEntry]:
         out = []
         for entry_id, fields in _stream_entries(reply):
-            if fields:  # an entry deleted (XDEL) while pending reads as empty
+            # An entry deleted (XDEL) while pending reads as empty.
+            if fields and entry_id not in skip:
                 self._held.add(entry_id)
                 out.append(StreamEntry(entry_id, dict(fields)))
         return out
