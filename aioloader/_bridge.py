@@ -18,6 +18,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import os
+import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -61,6 +62,8 @@ class _Portal:
                 await portal.sleep_until_stopped()
 
         def run() -> None:
+            # A ^C from a terminal goes to the process: let the caller's thread take it.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 anyio.run(serve, backend="asyncio")
             except BaseException as exc:
@@ -232,6 +235,25 @@ class SyncDataLoader(TorchAttributes, Generic[_B]):
         self.close()
 
 
+#: How often a caller waiting for a batch wakes to run Python signal handlers (a ^C).
+_SIGNAL_POLL_S = 0.05
+
+
+def _wait(future: concurrent.futures.Future[_R]) -> _R:
+    """``future.result()``, interruptible by ^C.
+
+    A signal handled on another thread (a ^C the kernel delivered to one of the process's other
+    threads, or one raised there) leaves a thread blocked in a lock wait asleep until the wait
+    ends: a batch that is minutes away, or workers still starting, would hold the
+    KeyboardInterrupt back that long. Short waits let the handler run within ~50 ms.
+    """
+    while True:
+        try:
+            return future.result(timeout=_SIGNAL_POLL_S)
+        except concurrent.futures.TimeoutError:
+            continue
+
+
 async def _start_epoch(loader: AsyncDataLoader[_B]) -> Any:
     return aiter(loader)
 
@@ -249,6 +271,10 @@ async def _step(iterator: Any) -> tuple[bool, Any]:
 
 async def _end_epoch(iterator: Any) -> None:
     await iterator.aclose()
+
+
+async def _end_epoch_nowait(iterator: Any) -> None:
+    iterator.end_now()
 
 
 class _SyncEpoch(Generic[_B]):
@@ -276,11 +302,14 @@ class _SyncEpoch(Generic[_B]):
             ) from None
         del iterator
         try:
-            more, batch = future.result()
+            more, batch = _wait(future)
         except BaseException as exc:
             if not future.done():  # KeyboardInterrupt while waiting: the epoch ends, as in torch
                 future.cancel()
-                self.close()
+                # Without waiting for the cleanup: workers still starting (a large dataset to
+                # pickle, spawn) would hold the ^C back until they are up. The loop releases
+                # them once they are; close() and the next epoch wait for that.
+                self._abandon()
             elif not isinstance(exc, Exception):
                 self.close()
             # An error in one batch: the epoch goes on for a caller that asks again. The
@@ -292,6 +321,14 @@ class _SyncEpoch(Generic[_B]):
             self.close()
             raise StopIteration
         return batch  # type: ignore[no-any-return]
+
+    def _abandon(self) -> None:
+        """End the epoch on the loop's thread and return at once."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is None or not self._portal.usable():
+            return
+        with contextlib.suppress(RuntimeError):  # the portal already stopped
+            self._portal.portal.start_task_soon(_end_epoch_nowait, iterator)
 
     def close(self) -> None:
         """End the epoch and wait until its workers are released."""

@@ -432,7 +432,7 @@ def _batch_len(value: Any, batch_size: int | None) -> int:
     if batch_size is None:
         return 1
     if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return int(value.shape[0])
+        return int(value.size(0))  # not shape[0]: a nested tensor has no shape
     if isinstance(value, (list, tuple)) and value:
         return _batch_len(value[0], batch_size)
     if isinstance(value, dict) and value:

@@ -32,7 +32,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from . import _transport, _worker
-from ._procpool import Executor, kill_executors
+from ._procpool import Executor, kill_executors, release_semaphores
 from ._threads import run_off_loop
 
 __all__ = ("CrashReport", "WorkerPool")
@@ -196,6 +196,7 @@ class WorkerPool:
         self._procs: list[BaseProcess] = []
         self._manager_threads: list[threading.Thread] = []
         self._result_queues: list[Any] = []
+        self._call_queues: list[Any] = []
         self._captured = False
         # Staggered start (see _start_sync): the thread that starts the second wave, what to call
         # once it did, and whether it is done. _grow_lock orders the second wave's start against
@@ -492,6 +493,12 @@ class WorkerPool:
             if (q := getattr(ex, "_result_queue", None)) is not None
             and all(q is not r for r in self._result_queues)
         ]
+        self._call_queues += [
+            q
+            for ex in self._executors
+            if (q := getattr(ex, "_call_queue", None)) is not None
+            and all(q is not r for r in self._call_queues)
+        ]
 
     def sentinels(self) -> list[int]:
         """One fd per worker process that becomes readable when the process ends."""
@@ -564,3 +571,5 @@ class WorkerPool:
             self._remove_payload()
             for ch in self._channels:
                 ch.close()
+            # Every worker is gone: their queues' named semaphores can go now (see there).
+            release_semaphores(self._call_queues + self._result_queues)

@@ -889,6 +889,11 @@ class _EpochIterator(Generic[_E]):
         epoch.end(Phase.ENDED)
         await epoch.wait_cleanup()
 
+    def end_now(self) -> None:
+        """End this epoch; its cleanup releases the workers in the background (on this loop),
+        and the loader's next epoch and ``aclose()`` wait for it."""
+        self._epoch.end(Phase.ENDED)
+
     def __del__(self) -> None:
         epoch = getattr(self, "_epoch", None)
         if epoch is not None and getattr(self, "_pid", None) == os.getpid():

@@ -40,10 +40,11 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import InvalidStateError, ProcessPoolExecutor
 from concurrent.futures import process as _process
+from multiprocessing import synchronize, util
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ("Executor", "kill_executors", "quiet_fork_warning")
+__all__ = ("Executor", "kill_executors", "quiet_fork_warning", "release_semaphores")
 
 
 class _GiveUp(Exception):
@@ -456,3 +457,29 @@ def _sigint_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def release_semaphores(queues: Sequence[Any]) -> None:
+    """Unlink the named semaphores of these multiprocessing queues now, not at a collection.
+
+    Under spawn and forkserver every lock and semaphore of a queue is a named POSIX semaphore
+    (a ``/dev/shm/sem.*`` file) that multiprocessing unlinks when the lock object is freed. The
+    executors' queues live in reference cycles, so that waited for a garbage collection: a
+    service running with ``gc.freeze()`` or the collector off gained five per worker per epoch,
+    and an interpreter ended by a signal left them for the resource tracker to report as leaked.
+    Called once every process that could open them is gone; runs the lock's own finalizer (which
+    also tells the resource tracker), so nothing is unlinked twice.
+    """
+    locks = {
+        id(lock): lock
+        for q in queues
+        for name in ("_rlock", "_wlock", "_sem")
+        if isinstance(lock := getattr(q, name, None), synchronize.SemLock)
+    }
+    if not locks:
+        return
+    for finalizer in list(util._finalizer_registry.values()):  # type: ignore[attr-defined]
+        ref = getattr(finalizer, "_weakref", None)
+        if ref is not None and id(ref()) in locks and ref() is locks[id(ref())]:
+            with contextlib.suppress(Exception):  # already unlinked: nothing left to do
+                finalizer()

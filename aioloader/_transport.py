@@ -420,11 +420,17 @@ def _rebuild_channel_tensor(
 
 
 def is_plain_cpu_tensor(t: torch.Tensor) -> bool:
-    """A dense CPU tensor of torch's own type, not needing grad, not quantized."""
+    """A dense CPU tensor of torch's own type, not needing grad, not quantized, not nested.
+
+    Only such a tensor is one storage read with (shape, stride, offset): the raw copy and the
+    channel are for it alone. A nested tensor of the strided layout is of type ``torch.Tensor``
+    with layout ``torch.strided`` too, but it has no single shape, so it is excluded by name.
+    """
     return (
         type(t) is torch.Tensor
-        and t.device.type == "cpu"
         and t.layout is torch.strided
+        and not t.is_nested
+        and t.device.type == "cpu"
         and not t.requires_grad
         and not t.is_quantized
     )

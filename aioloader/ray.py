@@ -13,7 +13,9 @@ What crosses the cluster, and how:
 * a task is one actor method call carrying ``(send_idx, indices, epoch)``; its result is an
   ``ObjectRef`` whose completion resolves the epoch's future on a Ray thread, so the event loop
   never blocks in ``ray.get``;
-* a batch's tensors cross as numpy views (pickle protocol 5 out-of-band buffers): the actor
+* a batch is pickled in the actor as a process worker pickles it (so tuple and list subclasses,
+  named tuples and dict subclasses keep their type), except that its tensors cross as numpy
+  views (pickle protocol 5 out-of-band buffers): the actor
   writes each once into the object store, and this process copies it once out of the store (Ray
   hands out read-only views, and torch has no read-only tensors): two copies, against three when
   torch's own pickling of a tensor goes through Ray. The copy out runs on Ray's thread, not the
@@ -30,7 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copyreg
+import io
 import os
+import pickle
 import socket
 import threading
 import time
@@ -150,33 +155,45 @@ class RayWorkers:
 
 
 def _to_views(batch: Any) -> Any:
-    """Runs in: an actor. Tensors become numpy arrays Ray serialises out of band (no copy)."""
-    if isinstance(batch, torch.Tensor):
-        plain = batch.device.type == "cpu" and batch.layout == torch.strided
+    """Runs in: an actor. The batch pickled as a process worker pickles it, except that plain
+    tensors become numpy arrays beside the bytes, which Ray serialises out of band (no copy).
+
+    Pickling the whole batch here (not rebuilding containers item by item) keeps every type a
+    process worker keeps: tuple and list subclasses, named tuples, dict subclasses, objects
+    holding tensors. A batch plain pickle cannot carry (a lambda inside, say) is handed to Ray
+    as it is: Ray's cloudpickle carries it, its tensors by torch's own pickling.
+    """
+    arrays: list[Any] = []
+
+    def reduce(t: torch.Tensor) -> tuple[Any, ...]:
         if (
-            plain
-            and not batch.requires_grad
-            and batch.dtype in _NUMPY_DTYPES
-            and batch.is_contiguous()
-            and not batch.is_conj()
-            and not batch.is_neg()
+            t.device.type == "cpu"
+            and t.layout is torch.strided
+            and not t.is_nested
+            and not t.requires_grad
+            and t.dtype in _NUMPY_DTYPES
+            and t.is_contiguous()
+            and not t.is_conj()
+            and not t.is_neg()
         ):
-            return _TensorView(batch.numpy())
-        return batch  # travels by torch's own pickling
-    return _map(batch, _to_views)
+            arrays.append(t.numpy())
+            return _tensor_from_array, (len(arrays) - 1,)
+        reduced: tuple[Any, ...] = t.__reduce_ex__(_PICKLE_PROTOCOL)  # type: ignore[no-untyped-call]
+        return reduced
+
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=_PICKLE_PROTOCOL)
+    table = copyreg.dispatch_table.copy()
+    table[torch.Tensor] = reduce  # exact type: subclasses keep their own reduction, as in torch
+    pickler.dispatch_table = table
+    try:
+        pickler.dump(batch)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return batch
+    return _Encoded(buf.getvalue(), arrays)
 
 
-def _map(batch: Any, fn: Any) -> Any:
-    """Apply ``fn`` to the items of a list, tuple, named tuple or dict batch."""
-    if isinstance(batch, list):
-        return [fn(b) for b in batch]
-    if isinstance(batch, tuple):
-        items = [fn(b) for b in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)
-    if isinstance(batch, dict) and type(batch) is dict:
-        return {k: fn(v) for k, v in batch.items()}
-    return batch
-
+_PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 _NUMPY_DTYPES = frozenset(
     {
@@ -195,21 +212,41 @@ _NUMPY_DTYPES = frozenset(
 )
 
 
-class _TensorView:
-    """A tensor travelling as a numpy array (Ray stores its buffer out of band)."""
+class _Encoded:
+    """A batch from an actor: its pickle, and its tensors as numpy arrays (Ray stores their
+    buffers out of band)."""
 
-    __slots__ = ("array",)
+    __slots__ = ("arrays", "data")
 
-    def __init__(self, array: Any) -> None:
-        self.array = array
+    def __init__(self, data: bytes, arrays: list[Any]) -> None:
+        self.data = data
+        self.arrays = arrays
+
+
+class _Decoding(threading.local):
+    arrays: list[Any] | None = None
+
+
+_decoding = _Decoding()
+
+
+def _tensor_from_array(i: int) -> torch.Tensor:
+    arrays = _decoding.arrays
+    if arrays is None:
+        raise RuntimeError("aioloader bug: a Ray batch's tensor unpickled outside _from_views")
+    # One copy out of the object store: Ray's view is read-only and would pin the store.
+    return torch.from_numpy(arrays[i].copy())
 
 
 def _from_views(batch: Any) -> Any:
-    """Runs in: a Ray thread of the loader's process. Rebuilds the tensors ``_to_views`` sent."""
-    if isinstance(batch, _TensorView):
-        # One copy out of the object store: Ray's view is read-only and would pin the store.
-        return torch.from_numpy(batch.array.copy())
-    return _map(batch, _from_views)
+    """Runs in: a Ray thread of the loader's process. Rebuilds the batch ``_to_views`` sent."""
+    if not isinstance(batch, _Encoded):
+        return batch
+    _decoding.arrays = batch.arrays
+    try:
+        return pickle.loads(batch.data)
+    finally:
+        _decoding.arrays = None
 
 
 class _Actor:

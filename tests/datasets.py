@@ -8,7 +8,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -182,6 +182,25 @@ class ExitDataset(RangeDataset):
         return super().__getitem__(i)
 
 
+class SignalDataset(RangeDataset):
+    """The worker loading index ``bad`` kills itself with signal ``sig`` (every time)."""
+
+    def __init__(self, n: int, bad: int, sig: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.sig = sig
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            import faulthandler
+
+            faulthandler.disable()  # no traceback dump: die of the signal at once
+            signal.signal(self.sig, signal.SIG_DFL)
+            os.kill(os.getpid(), self.sig)
+            time.sleep(10)
+        return super().__getitem__(i)
+
+
 class ExitOnceDataset(RangeDataset):
     """The worker loading index ``bad`` dies, but only the first time (a marker file remembers)."""
 
@@ -252,6 +271,44 @@ class PinnedBatch:
 
 def pinned_batch_collate(samples: list[torch.Tensor]) -> PinnedBatch:
     return PinnedBatch([int(s) for s in samples])
+
+
+class Pair(tuple[Any, ...]):
+    """A tuple subclass that is not a named tuple."""
+
+    __slots__ = ()
+
+
+class TaggedList(list[Any]):
+    """A list subclass with an attribute of its own."""
+
+    tag = ""
+
+
+class Labelled(NamedTuple):
+    x: Any
+    y: Any
+
+
+class AttrDict(dict[str, Any]):
+    """A dict subclass."""
+
+
+def container_collate(samples: list[torch.Tensor]) -> Pair:
+    """Every container type a batch may come in, each holding tensors (plain, non-contiguous,
+    needing no numpy dtype)."""
+    x = torch.stack(samples)
+    tagged = TaggedList([x, x.t()])
+    tagged.tag = "kept"
+    return Pair(
+        (
+            x,
+            tagged,
+            Labelled(x + 1, [x.to(torch.bfloat16)]),
+            AttrDict(a=x, b=(x, Pair((x,)))),
+            {"plain": [x], "t": (x,)},
+        )
+    )
 
 
 class ExitOnceAtDataset(RangeDataset):
@@ -411,6 +468,98 @@ def playing_worker(pool: bool) -> Iterator[Any]:
     finally:
         _transport.set_worker_channel(None)
         ch.close()
+
+
+class SubTensor(torch.Tensor):
+    """A user's tensor subclass."""
+
+
+def _big(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # 360 KiB of float32: above the inline limit, so it takes the shared-memory path.
+    return torch.arange(300 * 300, dtype=torch.float64).reshape(300, 300).to(dtype)
+
+
+def _tensor_kind(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    if name.startswith("dtype_"):
+        dt = getattr(torch, name[6:])
+        if dt.is_complex:
+            return torch.complex(r(3, 4), r(3, 4)).to(dt)
+        if dt == torch.bool:
+            return r(3, 4) > 0
+        if dt.is_floating_point:
+            return r(3, 4).to(dt)
+        return torch.arange(12).reshape(3, 4).to(dt)
+    kinds: dict[str, Any] = {
+        "dense": lambda: r(4, 5),
+        "dense_big": _big,
+        "non_contiguous": lambda: r(6, 8).t()[::2],
+        "non_contiguous_big": lambda: _big().t()[::2],
+        "zero_size": lambda: torch.empty(0, 3),
+        "scalar": lambda: torch.tensor(3.5),
+        "conj": lambda: torch.complex(r(3, 4), r(3, 4)).conj(),
+        "conj_big": lambda: torch.complex(_big(), -_big()).conj(),
+        "neg": lambda: torch.complex(r(3, 4), r(3, 4)).conj().imag,
+        "neg_big": lambda: torch.complex(_big(), _big()).conj().imag,
+        "nested_strided": lambda: torch.nested.nested_tensor([r(5), r(3)]),
+        "nested_strided_2d": lambda: torch.nested.nested_tensor([r(2, 5), r(3, 5)]),
+        "nested_jagged": lambda: torch.nested.nested_tensor(
+            [r(2, 5), r(3, 5)], layout=torch.jagged
+        ),
+        "sparse_coo": lambda: r(4, 5).relu().to_sparse(),
+        "sparse_coo_uncoalesced": lambda: torch.sparse_coo_tensor(
+            torch.tensor([[0, 0, 1], [1, 1, 2]]), torch.tensor([1.0, 2.0, 3.0]), (3, 3)
+        ),
+        "sparse_csr": lambda: r(4, 5).relu().to_sparse_csr(),
+        "sparse_csc": lambda: r(4, 5).relu().to_sparse_csc(),
+        "sparse_bsr": lambda: r(4, 6).relu().to_sparse_bsr((2, 2)),
+        "quantized": lambda: torch.quantize_per_tensor(r(3, 4), 0.1, 3, torch.quint8),
+        "quantized_per_channel": lambda: torch.quantize_per_channel(
+            r(3, 4), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0, 1, 2]), 0, torch.qint8
+        ),
+        "subclass": lambda: r(3, 4).as_subclass(SubTensor),
+        "subclass_big": lambda: _big().as_subclass(SubTensor),
+        "parameter": lambda: torch.nn.Parameter(r(3, 4)),
+        "parameter_big": lambda: torch.nn.Parameter(_big()),
+        "requires_grad": lambda: r(3, 4).requires_grad_(),
+        "requires_grad_big": lambda: _big().requires_grad_(),
+    }
+    return kinds[name]()  # type: ignore[no-any-return]
+
+
+TENSOR_DTYPES = [
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
+    "bfloat16", "float32", "float64", "complex32", "complex64", "complex128", "float8_e4m3fn",
+    "float8_e5m2",
+]  # fmt: skip
+
+TENSOR_KINDS = [
+    "dense", "dense_big", "non_contiguous", "non_contiguous_big", "zero_size", "scalar", "conj",
+    "conj_big", "neg", "neg_big", "nested_strided", "nested_strided_2d", "nested_jagged",
+    "sparse_coo", "sparse_coo_uncoalesced", "sparse_csr", "sparse_csc", "sparse_bsr", "quantized",
+    "quantized_per_channel", "subclass", "subclass_big", "parameter", "parameter_big",
+    "requires_grad", "requires_grad_big",
+    *(f"dtype_{d}" for d in TENSOR_DTYPES),
+]  # fmt: skip
+
+
+class TensorKindsDataset(Dataset[torch.Tensor]):
+    """Sample ``i`` is a tensor of kind ``TENSOR_KINDS[i]`` (the same values every time)."""
+
+    def __len__(self) -> int:
+        return len(TENSOR_KINDS)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return _tensor_kind(TENSOR_KINDS[i])
+
+
+def clone_collate(samples: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A list of copies of the samples (default_collate cannot stack nested tensors)."""
+    return [s.clone() for s in samples]
 
 
 class SegfaultDataset(RangeDataset):

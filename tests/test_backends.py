@@ -86,6 +86,35 @@ async def test_error_carries_worker_traceback_and_epoch_goes_on(executor: Any) -
     assert got == [[0, 1], [2, 3], [6, 7], [8, 9], [10, 11]]
 
 
+def _shape_of(batch: Any) -> Any:
+    """Every container's type (and a TaggedList's tag) and every tensor's dtype and values."""
+    if isinstance(batch, torch.Tensor):
+        return (type(batch), batch.dtype, batch.tolist())
+    if isinstance(batch, dict):
+        return (type(batch), {k: _shape_of(v) for k, v in batch.items()})
+    if isinstance(batch, list | tuple):
+        return (type(batch), getattr(batch, "tag", None), [_shape_of(b) for b in batch])
+    return batch
+
+
+@pytest.mark.ray_default
+async def test_batch_container_types_arrive_as_torch_delivers_them(executor: Any) -> None:
+    """Tuple and list subclasses, named tuples and dict subclasses keep their type."""
+    ds = datasets.RangeDataset(8)
+    expected = [
+        _shape_of(b)
+        for b in torch_batches(
+            ds, batch_size=4, num_workers=2, collate_fn=datasets.container_collate
+        )
+    ]
+    assert expected[0][0] is datasets.Pair
+    async with AsyncDataLoader(
+        ds, batch_size=4, num_workers=2, collate_fn=datasets.container_collate, executor=executor
+    ) as loader:
+        got = [_shape_of(b) for b in await collect(loader)]
+    assert got == expected
+
+
 async def test_timeout_raises_and_releases_the_workers(executor: Any, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     ds = datasets.GatedDataset(4, open_below=0, gate=str(gate), limit=60)

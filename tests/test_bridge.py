@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from torch.utils.data import DataLoader
 from aioloader import AsyncDataLoader, LoaderClosedError, SyncDataLoader
 from tests import datasets
 from tests.conftest import worker_processes
+
+ROOT = Path(__file__).resolve().parent.parent
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -178,6 +181,10 @@ def test_keyboard_interrupt_ends_the_epoch_and_the_loader_goes_on(tmp_path: Path
                 go.set()
             sender.join()
         del it
+        # The interrupt returns at once; the loop releases the workers right after.
+        deadline = time.monotonic() + 30
+        while worker_processes() - before and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert worker_processes() - before == set()
         gate.touch()
         assert len(list(loader)) == 6
@@ -308,3 +315,56 @@ def test_unclosed_bridge_in_a_script_exits_cleanly(tmp_path: Path) -> None:
     for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"worker {pid} lives"
+
+
+CTRL_C_DURING_STARTUP = textwrap.dedent(
+    """
+    import signal, threading, time
+    import torch
+    from aioloader import AsyncDataLoader
+
+    class SlowPickle(torch.utils.data.Dataset):
+        # spawn pickles the dataset before any worker starts: a big dataset takes this long
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            return torch.tensor([i])
+
+        def __getstate__(self):
+            time.sleep(8.0)
+            return self.__dict__
+
+    if __name__ == "__main__":
+        bridge = AsyncDataLoader(
+            SlowPickle(), batch_size=2, num_workers=2, multiprocessing_context="spawn"
+        ).sync()
+        sent = []
+        # A ^C that the kernel hands to another thread of the process (as a terminal's may be):
+        threading.Timer(
+            0.5, lambda: (sent.append(time.monotonic()), signal.raise_signal(signal.SIGINT))
+        ).start()
+        try:
+            for _ in bridge:
+                pass
+        except KeyboardInterrupt:
+            print(f"interrupted after {time.monotonic() - sent[0]:.2f}", flush=True)
+        bridge.close()
+        print("closed", flush=True)
+    """
+)
+
+
+def test_a_ctrl_c_while_the_workers_start_reaches_the_caller_at_once(tmp_path: Path) -> None:
+    script = tmp_path / "ctrl_c.py"  # a file: spawn re-imports the main module
+    script.write_text(CTRL_C_DURING_STARTUP)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert "closed" in proc.stdout, proc.stdout + proc.stderr
+    took = float(proc.stdout.split("interrupted after ")[1].split()[0])
+    assert took < 4.0, took  # not the 8 s the start-up takes

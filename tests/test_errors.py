@@ -118,6 +118,50 @@ async def test_index_error_from_dataset_keeps_type() -> None:
             await collect(loader)
 
 
+def _torch_crash_text(ds: Any) -> str:
+    """The sentence torch's DataLoader raises when a worker dies loading ``ds``, pid masked."""
+    with pytest.raises(RuntimeError) as info:
+        list(torch.utils.data.DataLoader(ds, batch_size=2, num_workers=1))
+    # torch's SIGCHLD handler raises this sentence; a wait it interrupts may raise "pid(s) ...
+    # exited unexpectedly" from it.
+    exc: BaseException | None = info.value
+    while exc is not None:
+        found = re.match(r"DataLoader worker \(pid \d+\) [^.]*\.", str(exc))
+        if found is not None:
+            return re.sub(r"pid \d+", "pid N", found.group())
+        exc = exc.__cause__ or exc.__context__
+    raise AssertionError(f"torch raised something else: {info.value!r}")
+
+
+@pytest.mark.parametrize("restarts", [0, 2])
+@pytest.mark.parametrize(
+    "ds",
+    [datasets.SignalDataset(4, bad=0, sig=signal.SIGSEGV), datasets.ExitDataset(4, bad=0, code=7)],
+    ids=["segfault", "exit7"],
+)
+def test_a_dead_worker_is_named_in_torchs_words(ds: Any, restarts: int) -> None:
+    """The final error starts with torch's sentence (torch's own test matches it); ours follows."""
+    expected = _torch_crash_text(ds)
+    loader = AsyncDataLoader(ds, batch_size=2, num_workers=1, max_worker_restarts=restarts)
+    with (
+        warnings.catch_warnings(),
+        loader.sync() as it,
+        pytest.raises(WorkerCrashedError) as info,
+    ):
+        warnings.simplefilter("ignore", RuntimeWarning)  # the restarts' warnings
+        next(iter(it))
+    text = str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    assert re.sub(r"pid \d+", "pid N", text).startswith(expected + " (aioloader worker 0")
+    if isinstance(ds, datasets.SignalDataset):
+        assert expected == "DataLoader worker (pid N) is killed by signal: Segmentation fault."
+        assert re.search(r"DataLoader worker \(pid \d+\) is killed by signal: ", text)
+    else:
+        assert expected == "DataLoader worker (pid N) exited unexpectedly with exit code 7."
+    assert "send_idx=0 (indices [0, 1])" in text
+    assert isinstance(info.value, PoisonBatchError) == (restarts > 0)
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 async def test_dead_worker_is_a_clear_error_within_seconds(start_method: str) -> None:
     loader = AsyncDataLoader(
