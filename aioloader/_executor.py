@@ -32,7 +32,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from . import _transport, _worker
-from ._procpool import Executor, kill_executors, release_semaphores
+from ._procpool import Executor, close_pipes, kill_executors, release_semaphores
 from ._threads import run_off_loop
 
 __all__ = ("CrashReport", "WorkerPool")
@@ -197,6 +197,7 @@ class WorkerPool:
         self._manager_threads: list[threading.Thread] = []
         self._result_queues: list[Any] = []
         self._call_queues: list[Any] = []
+        self._wakeups: list[Any] = []  # each executor's manager-thread wakeup pipe
         self._captured = False
         # Staggered start (see _start_sync): the thread that starts the second wave, what to call
         # once it did, and whether it is done. _grow_lock orders the second wave's start against
@@ -499,6 +500,12 @@ class WorkerPool:
             if (q := getattr(ex, "_call_queue", None)) is not None
             and all(q is not r for r in self._call_queues)
         ]
+        self._wakeups += [
+            w
+            for ex in self._executors
+            if (w := getattr(ex, "_executor_manager_thread_wakeup", None)) is not None
+            and all(w is not r for r in self._wakeups)
+        ]
 
     def sentinels(self) -> list[int]:
         """One fd per worker process that becomes readable when the process ends."""
@@ -571,5 +578,12 @@ class WorkerPool:
             self._remove_payload()
             for ch in self._channels:
                 ch.close()
-            # Every worker is gone: their queues' named semaphores can go now (see there).
+            # Every worker and the manager threads are gone: their queues' named semaphores and
+            # pipes can go now (see there).
             release_semaphores(self._call_queues + self._result_queues)
+            close_pipes(self._call_queues + self._result_queues + self._wakeups)
+            for p in self._procs:
+                if p.exitcode is not None:
+                    # Its sentinel pipe, otherwise closed when the collector frees the object.
+                    with contextlib.suppress(ValueError):
+                        p.close()

@@ -69,3 +69,24 @@ async def test_an_epochs_semaphores_go_with_its_workers(method: str, end: str) -
                         break
                     await asyncio.sleep(0.05)
     assert _existing(files) == []
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.usefixtures("collector_off")
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+async def test_epochs_leave_no_descriptor_behind_with_the_collector_off(method: str) -> None:
+    """Queue pipes, wakeup pipes and process sentinels are closed when the workers go."""
+    loader = AsyncDataLoader(
+        datasets.RangeDataset(16), batch_size=4, num_workers=2, multiprocessing_context=method
+    )
+    async with loader, asyncio.timeout(120):
+        async for _ in loader:
+            pass
+        after_one = _fds()
+        for _ in range(3):
+            async for _ in loader:
+                pass
+        assert _fds() == after_one
