@@ -508,7 +508,10 @@ class WorkerPool:
         ]
 
     def sentinels(self) -> list[int]:
-        """One fd per worker process that becomes readable when the process ends."""
+        """One fd per worker process that becomes readable when the process ends (none once
+        the pool is stopped: the descriptors are closed then)."""
+        if self._stopped:
+            return []
         return [p.sentinel for p in self._procs]
 
     def _stop_grower(self) -> None:
@@ -583,7 +586,9 @@ class WorkerPool:
             release_semaphores(self._call_queues + self._result_queues)
             close_pipes(self._call_queues + self._result_queues + self._wakeups)
             for p in self._procs:
-                if p.exitcode is not None:
+                popen = getattr(p, "_popen", None)
+                if p.exitcode is not None and popen is not None:
                     # Its sentinel pipe, otherwise closed when the collector frees the object.
-                    with contextlib.suppress(ValueError):
-                        p.close()
+                    # Not p.close(): the exit code stays readable (it is known by now).
+                    with contextlib.suppress(Exception):
+                        popen.finalizer()
