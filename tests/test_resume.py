@@ -712,3 +712,56 @@ def test_an_epoch_end_resume_leaves_the_global_rng_where_the_uninterrupted_run_d
         dl.load_state_dict(state)
         resumed = [flat(dl), flat(dl)]
     assert resumed == uninterrupted[2:]
+
+
+class _Augmented(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample i with a random augmentation drawn in the worker."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)]) + torch.rand(1)
+
+
+async def test_the_ddp_recipe_resumes_augmentations_of_later_epochs_exactly() -> None:
+    """docs/resume.md's recipe: a DistributedSampler, seeding="batch" and a generator per rank.
+    After a mid-epoch resume in a process whose global RNG differs, the rest of that epoch and
+    every later one are bit-identical, augmentations included."""
+    from torch.utils.data import DistributedSampler
+
+    def make(rank: int) -> AsyncDataLoader[Any]:
+        sampler = DistributedSampler(_Augmented(), num_replicas=2, rank=rank, seed=0)
+        return AsyncDataLoader(
+            _Augmented(), batch_size=4, sampler=sampler, num_workers=2, seeding="batch",
+            generator=torch.Generator().manual_seed(1000 + rank),
+        )  # fmt: skip
+
+    async def epochs(loader: AsyncDataLoader[Any], start: int, stop: int) -> list[list[float]]:
+        out = []
+        for epoch in range(start, stop):
+            loader.set_epoch(epoch)
+            out += [b.flatten().tolist() async for b in loader]
+        return out
+
+    async with asyncio.timeout(120):
+        for rank in (0, 1):
+            torch.manual_seed(0)
+            async with make(rank) as whole:
+                uninterrupted = await epochs(whole, 0, 3)
+            torch.manual_seed(0)
+            async with make(rank) as first:
+                first.set_epoch(0)
+                head = []
+                async for b in first:
+                    head.append(b.flatten().tolist())
+                    if len(head) == 3:
+                        break
+                state = first.state_dict()
+            torch.manual_seed(12345)  # another process: another global RNG
+            async with make(rank) as resumed:
+                resumed.load_state_dict(state)
+                assert resumed.state_dict()["epoch"] == 0
+                rest = [b.flatten().tolist() async for b in resumed]  # set_epoch restored
+                rest += await epochs(resumed, 1, 3)
+            assert head + rest == uninterrupted
