@@ -584,7 +584,8 @@ class WorkerPool:
             # Every worker and the manager threads are gone: their queues' named semaphores and
             # pipes can go now (see there).
             release_semaphores(self._call_queues + self._result_queues)
-            close_pipes(self._call_queues + self._result_queues + self._wakeups)
+            if not any(t.is_alive() for t in self._manager_threads):
+                close_pipes(self._call_queues + self._result_queues + self._wakeups)
             for p in self._procs:
                 popen = getattr(p, "_popen", None)
                 if p.exitcode is not None and popen is not None:

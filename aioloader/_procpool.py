@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import signal
 import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import InvalidStateError, ProcessPoolExecutor
 from concurrent.futures import process as _process
@@ -127,6 +129,7 @@ class Executor(ProcessPoolExecutor):
     def __init__(
         self, *args: Any, sigterm_grace: float | None = SIGTERM_GRACE_S, **kwargs: Any
     ) -> None:
+        _alive.add(self)
         # The queues' semaphores start multiprocessing's resource tracker (spawn, forkserver),
         # a process of its own that a ^C must not interrupt in its start-up either.
         with _sigint_blocked():
@@ -156,7 +159,7 @@ class Executor(ProcessPoolExecutor):
         # CPython's own "start them all" (_launch_processes) is for fork only and asserts that no
         # manager thread exists yet; this does the same for every start method.
         target = self._max_workers if count is None else min(count, self._max_workers)  # type: ignore[attr-defined]
-        with quiet_fork_warning(), _sigint_blocked():
+        with quiet_fork_warning(), _sigint_blocked(), _forking(self):
             while len(self._processes) < target:
                 self._spawn_process()  # type: ignore[attr-defined]
 
@@ -223,7 +226,7 @@ class Executor(ProcessPoolExecutor):
                 self._max_tasks_per_child,  # type: ignore[attr-defined]
             ),
         )
-        with _sigint_blocked():
+        with _sigint_blocked(), _forking(self):
             p.start()
         return p
 
@@ -240,7 +243,7 @@ class Executor(ProcessPoolExecutor):
             # CPython's own, with our thread class from the start: tasks may already be queued
             # when it starts (deferred executors), and a worker may die at once.
             if not self._safe_to_dynamically_spawn_children:
-                with _sigint_blocked():
+                with _sigint_blocked(), _forking(self):
                     self._launch_processes()
             thread = _ManagerThread(self)
             self._executor_manager_thread = thread
@@ -495,3 +498,41 @@ def close_pipes(queues: Sequence[Any]) -> None:
             if conn is not None:
                 with contextlib.suppress(Exception):  # closed already
                     conn.close()
+
+
+# Every executor of this process, and per thread the one whose worker it is forking (a fork
+# child keeps the forking thread's value: it is that thread).
+_alive: weakref.WeakSet[Executor] = weakref.WeakSet()
+_forking_now = threading.local()
+
+
+@contextlib.contextmanager
+def _forking(executor: Executor) -> Iterator[None]:
+    _forking_now.executor = executor
+    try:
+        yield
+    finally:
+        _forking_now.executor = None
+
+
+def _close_foreign_result_pipes() -> None:
+    """In a forked child: close the write end of every other executor's result pipe.
+
+    A worker killed half-way through writing a large result leaves its executor's manager thread
+    reading the rest; only EOF, once every holder of the write end has closed it, frees it. A
+    process forked later (a worker of another pool, under the fork start method) inherited that
+    write end and kept the thread waiting for ever. Runs right after a fork, in the child, with no
+    other thread: no lock is taken.
+    """
+    mine = getattr(_forking_now, "executor", None)
+    for ex in list(_alive):
+        if ex is mine:
+            continue  # this worker's own results go there
+        queue = getattr(ex, "_result_queue", None)
+        writer = getattr(queue, "_writer", None)
+        if writer is not None:
+            with contextlib.suppress(Exception):  # closed already
+                writer.close()
+
+
+os.register_at_fork(after_in_child=_close_foreign_result_pipes)

@@ -400,3 +400,92 @@ async def test_a_segfaulting_worker_is_reported_in_torchs_words(restarts: int) -
         r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault", str(info.value)
     ), str(info.value)
     assert info.value.exitcode == -signal.SIGSEGV
+
+
+MID_WRITE_TWO_POOLS_SCRIPT = """
+import asyncio, os, signal, sys, tempfile, threading, warnings
+import multiprocessing.connection as mpc
+import torch
+from torch.utils.data import Dataset
+from aioloader import AsyncDataLoader
+from tests import datasets
+
+FLAG = os.path.join(tempfile.mkdtemp(), "died")
+
+class HalfWritten(Dataset):
+    # Sample 2 kills its worker half-way through writing its 8 MB result, once (as an OOM kill).
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        if i == 2 and not os.path.exists(FLAG):
+            open(FLAG, "w").close()
+            send = mpc.Connection._send
+
+            def half_then_die(conn, buf, write=os.write):
+                if len(buf) > (1 << 20):
+                    write(conn._handle, bytes(buf[: 1 << 16]))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return send(conn, buf)
+
+            mpc.Connection._send = half_then_die
+        return {"x": torch.tensor([i]), "blob": "x" * (8 << 20)}
+
+def manager_threads():
+    return [t for t in threading.enumerate() if "ManagerThread" in type(t).__name__]
+
+async def main():
+    warnings.simplefilter("ignore")
+    train = AsyncDataLoader(HalfWritten(), batch_size=1, num_workers=1,
+                            multiprocessing_context="fork")
+    val = AsyncDataLoader(datasets.RangeDataset(4), batch_size=2, num_workers=1,
+                          persistent_workers=True, multiprocessing_context="fork")
+    async with asyncio.timeout(100):
+        it = aiter(train)
+        got = [int((await anext(it))["x"])]
+        [b async for b in val]  # val's worker is forked now: it inherits train's pipes
+        got += [int(b["x"]) async for b in it]
+        del it
+        await train.aclose()
+        left = len(manager_threads())  # val's pool's own thread, and no other
+        await val.aclose()
+    print("got", *got, "restarts", train.stats().worker_restarts, "threads", left)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_a_worker_killed_mid_write_with_another_forked_pool_alive_is_recovered_cleanly(
+    tmp_path: Path,
+) -> None:
+    """A later fork (another pool's worker) must not hold this pool's result pipe open: the
+    manager thread reading the dead worker's half-written result never saw EOF, recovery waited
+    its 5 s join, and the thread was left behind."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_pools.py"
+    script.write_text(MID_WRITE_TWO_POOLS_SCRIPT)
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [
+        "got",
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "restarts",
+        "1",
+        "threads",
+        "1",
+    ], out.stdout
