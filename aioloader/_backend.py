@@ -183,6 +183,7 @@ class ThreadBackend:
                     "raise IndexError for a bad index instead"
                 ) from None
             data = _worker.Exhausted(0)
+            state = copy.deepcopy(_worker.capture_end_state(self._dataset))
         except Exception:
             raise
         except BaseException as exc:

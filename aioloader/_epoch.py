@@ -426,6 +426,7 @@ class Epoch:
         self.loader._busy_s += res.busy_s
         if isinstance(res.data, _worker.Exhausted):
             self.consumer.worker_exhausted(res.data.worker_id)
+            self.progress.exhausted(res.data.worker_id, res.state)
             self.reorder.skip(send_idx)
             self.permits.release()
             return

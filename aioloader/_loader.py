@@ -424,6 +424,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             # What the sampler will draw from if it uses the global RNG (a custom sampler records
             # it again, just before its iter()).
             start.record_global_rng(torch.get_rng_state())
+        if pending is None and self.num_workers == 0:
+            # The dataset as its iterator starts: a state taken before the first batch holds it
+            # (a dataset may keep the global RNG in its state; the base seed was drawn from it).
+            progress.worker_states.update(self._carried_states())
         epoch = Epoch(self, self._epoch_no, base_seed, progress, replay=pending is not None)
         if pending is not None and self._is_iterable:
             epoch.resume_states = dict(progress.worker_states)
@@ -467,7 +471,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "on the dataset (or on the iterator its __iter__ returns), returning where it "
                 "stands; aioloader saves it per worker after each delivered batch"
             )
-        return self._make_state(p.epoch, p.start, p.position, p.worker_states, p.last_worker)
+        return self._make_state(
+            p.epoch, p.start, p.position, p.worker_states, p.last_worker, p.worker_batches
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``async for`` continue where ``state`` (from :meth:`state_dict`) stood.
@@ -556,9 +562,33 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             sampler_epoch=self._read_sampler_epoch(),
         )
 
+    def _carried_states(self) -> dict[int, Any]:
+        """Iterable datasets: the worker states the next epoch starts from, where the dataset
+        lives on between epochs (torch's behaviour, which a resume must reproduce).
+
+        With ``num_workers=0`` that is the dataset itself, as it is now; with persistent workers,
+        each replica as its iterator left it at the last epoch's end (when that epoch finished
+        and its pool serves the next one). Fresh workers start from the dataset as pickled.
+        """
+        if not self._is_iterable:
+            return {}
+        if self.num_workers == 0:
+            state = _worker.capture_end_state(self.dataset)
+            return {0: copy.deepcopy(state)} if state is not None else {}
+        p, pool = self._progress, self._persistent_pool
+        if p is None or not p.finished or pool is None or pool.num_workers != self.num_workers:
+            return {}
+        return dict(p.end_states)
+
     def _begin_progress(self, pending: _PendingResume | None) -> Progress:
         if pending is None:
-            progress = Progress(self._epoch_count, self._snapshot(), iterable=self._is_iterable)
+            progress = Progress(
+                self._epoch_count,
+                self._snapshot(),
+                # num_workers=0: taken in __aiter__, once the epoch's own draws are done.
+                worker_states=self._carried_states() if self.num_workers else {},
+                iterable=self._is_iterable,
+            )
         else:
             start = pending.start
             for role, g in self._generators().items():
@@ -577,6 +607,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 start,
                 Position(pending.position.low, pending.position.above, counting=self._is_iterable),
                 worker_states=pending.worker_states,
+                worker_batches=pending.worker_batches,
                 last_worker=pending.last_worker,
                 iterable=self._is_iterable,
             )
@@ -586,7 +617,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         return progress
 
     def _boundary_state(self, epoch: int) -> dict[str, Any]:
-        return self._make_state(epoch, self._snapshot(), Position(), {}, None)
+        return self._make_state(epoch, self._snapshot(), Position(), self._carried_states(), None)
 
     def _make_state(
         self,
@@ -595,6 +626,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         position: Position,
         worker_states: dict[int, Any],
         last_worker: int | None,
+        worker_batches: dict[int, int] | None = None,
     ) -> dict[str, Any]:
         return {
             "format": resume.FORMAT,
@@ -611,6 +643,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             "start": start.to_dict(),
             "worker_states": {str(k): copy.deepcopy(v) for k, v in worker_states.items()},
             "last_worker": last_worker,
+            "worker_batches": {str(k): n for k, n in (worker_batches or {}).items()},
         }
 
     def _batching(self) -> dict[str, Any]:
@@ -1079,6 +1112,7 @@ class _PendingResume(NamedTuple):
     start: Start
     position: Position
     worker_states: dict[int, Any]
+    worker_batches: dict[int, int]
     last_worker: int | None
     persistent_seed: int | None
     raw: dict[str, Any]
@@ -1111,6 +1145,9 @@ class _PendingResume(NamedTuple):
             above = {int(i) for i in state["delivered_also"]}
             start = Start.from_dict(state["start"])
             worker_states = {int(k): v for k, v in (state.get("worker_states") or {}).items()}
+            worker_batches = {
+                int(k): int(n) for k, n in (state.get("worker_batches") or {}).items()
+            }
             last = state.get("last_worker")
             last_worker = None if last is None else int(last)
             persistent_seed = state.get("persistent_seed")
@@ -1154,6 +1191,7 @@ class _PendingResume(NamedTuple):
             start,
             Position(low, above),
             worker_states,
+            worker_batches,
             last_worker,
             persistent_seed,
             copy.deepcopy(state),

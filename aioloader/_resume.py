@@ -183,6 +183,7 @@ class Progress:
         position: Position | None = None,
         *,
         worker_states: dict[int, Any] | None = None,
+        worker_batches: dict[int, int] | None = None,
         last_worker: int | None = None,
         iterable: bool = False,
     ) -> None:
@@ -194,6 +195,11 @@ class Progress:
         self.position = position if position is not None else Position(counting=iterable)
         #: Iterable datasets: worker id -> (target, state) after its last delivered batch.
         self.worker_states: dict[int, Any] = dict(worker_states or {})
+        #: Iterable datasets: worker id -> batches (or errors) of it the consumer received; the
+        #: k-th batch of worker w has the same seed under seeding="batch" whatever the timing.
+        self.worker_batches: dict[int, int] = dict(worker_batches or {})
+        #: Iterable datasets: worker id -> its dataset's own state once its iterator ran dry.
+        self.end_states: dict[int, Any] = {}
         # Exhausted workers are not recorded: after a resume one gets a batch, reports itself
         # exhausted again, and the round-robin order of the others' batches is the same.
         self.last_worker = last_worker
@@ -207,7 +213,14 @@ class Progress:
         self.position.mark(idx)
         if worker_id is not None:
             self.last_worker = worker_id
+            if self.iterable:
+                self.worker_batches[worker_id] = self.worker_batches.get(worker_id, 0) + 1
             if dataset_state is not None:
                 self.worker_states[worker_id] = dataset_state
             elif self.iterable:
                 self.stateless = True
+
+    def exhausted(self, worker_id: int, end_state: Any) -> None:
+        """An iterable worker ran dry; ``end_state`` is its dataset's own state then, if any."""
+        if end_state is not None:
+            self.end_states[worker_id] = end_state

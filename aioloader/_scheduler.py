@@ -64,6 +64,12 @@ async def run_scheduler(epoch: Epoch) -> None:
         skip=skip,
     )
     batch_seeding = loader.seeding == "batch"
+    # An iterable's batch is worker w's k-th, whichever send_idx carries it: once a worker runs
+    # dry, how many of its turns were already handed out before that was known is timing. So its
+    # seed follows (k, w), numbered k * workers + w: the send_idx while every worker is active,
+    # and the send_idx itself with one worker.
+    workers = max(1, loader.num_workers)
+    turns = dict(progress.worker_batches)  # worker id -> its batches submitted so far
     pending = epoch.resume_states  # worker id -> dataset state, until its first batch
     send_idx = skip
     try:
@@ -100,7 +106,14 @@ async def run_scheduler(epoch: Epoch) -> None:
             await epoch.resumed.wait()
             if epoch.terminal:
                 return
-            seed = batch_seed(epoch.base_seed, progress.epoch, send_idx) if batch_seeding else None
+            seed: int | None = None
+            if batch_seeding:
+                number = send_idx
+                if wid is not None:
+                    k = turns.get(wid, 0)
+                    turns[wid] = k + 1
+                    number = k * workers + wid
+                seed = batch_seed(epoch.base_seed, progress.epoch, number)
             state = pending.pop(wid, None) if pending and wid is not None else None
             epoch.in_flight[send_idx] = Flight(indices, wid, None, seed, state)
             epoch.submit(send_idx)

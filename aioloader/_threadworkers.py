@@ -258,6 +258,7 @@ class ThreadWorkers:
                 if not iterable:
                     raise
                 data = _worker.Exhausted(wid)
+                saved = copy.deepcopy(_worker.capture_end_state(self._dataset))
             else:
                 if iterable:
                     # A copy: the iterator goes on changing its state after this batch.

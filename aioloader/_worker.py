@@ -218,6 +218,17 @@ def capture_state(fetcher: Any, dataset: Any) -> Any:
     return None
 
 
+def capture_end_state(dataset: Any) -> Any:
+    """An iterable dataset's own state once a worker's iterator ran dry, or None.
+
+    What the next epoch starts from where the dataset lives on (``num_workers=0``, persistent
+    workers): its next iterator is a new one, so an iterator's state is not part of it.
+    """
+    if callable(getattr(dataset, "state_dict", None)):
+        return ("dataset", dataset.state_dict())
+    return None
+
+
 def make_fetcher(
     iterable: bool,
     dataset: Any,
@@ -634,9 +645,9 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
             try:
                 batch = _state.fetcher.fetch(indices)
             except StopIteration:
-                return Result(
-                    send_idx, epoch, wid, os.getpid(), Exhausted(wid), time.perf_counter() - start
-                )
+                end = capture_end_state(_state.dataset)
+                elapsed = time.perf_counter() - start
+                return Result(send_idx, epoch, wid, os.getpid(), Exhausted(wid), elapsed, end)
             state = capture_state(_state.fetcher, _state.dataset)
         elif isinstance(indices, Samples):
             batch = _state.dataset.collate(indices, _state.collate_fn, spec.auto_collation)

@@ -128,6 +128,7 @@ class DatasetLevelState(IterableDataset[int]):
         for i in range(start, self.n):
             self.pos = i + 1  # before yielding: state_dict() is taken right after next()
             yield i
+        self.pos = 0  # ran dry: the next iterator starts from the beginning (a state says so)
 
     def state_dict(self) -> dict[str, int]:
         return {"pos": self.pos}
@@ -155,3 +156,83 @@ class Sharded(IterableDataset[int]):
         shard = info.rank * info.num_workers + info.id
         shards = info.world_size * info.num_workers
         return iter(range(shard, self.n, shards))
+
+
+class RandomPicks(IterableDataset[int]):
+    """Draws from the global torch RNG and keeps it in its state (as upstream's tests do)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.i = 0
+
+    def __iter__(self) -> RandomPicks:
+        return self
+
+    def __next__(self) -> int:
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return int(torch.randint(1000, (1,)).item())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"i": self.i, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.i = state["i"]
+        torch.set_rng_state(state["rng"])
+
+
+class EpochTagged(IterableDataset[tuple[int, int, int]]):
+    """Each worker's shard of ``range(n)`` tagged with how many epochs this replica has run.
+
+    Its epoch count lives on the dataset, so it goes on across epochs where the dataset does
+    (``num_workers=0``, persistent workers) and restarts at 0 in fresh workers, as in torch.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epoch = 0
+        self._skip = 0
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        items = list(range(wid, self.n, nw))
+        skip, self._skip = self._skip, 0
+        for pos in range(skip, len(items)):
+            self._pos = pos + 1
+            yield items[pos], self.epoch, wid
+        self.epoch += 1
+        self._pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": getattr(self, "_pos", 0)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self._skip = state["epoch"], state["pos"]
+
+
+class Uneven(IterableDataset[int]):
+    """Worker 0 yields ``long`` random numbers, every other worker ``short``: they run dry apart.
+
+    Resumable by position; the numbers come from the global RNG that seeding seeds per batch.
+    """
+
+    def __init__(self, long: int, short: int) -> None:
+        self.long, self.short = long, short
+        self.pos = 0
+        self._skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        n = self.long if info is None or info.id == 0 else self.short
+        skip, self._skip = self._skip, 0
+        for pos in range(skip, n):
+            self.pos = pos + 1
+            yield int(torch.randint(1_000_000, (1,)).item())
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["pos"]
