@@ -183,6 +183,7 @@ class WorkerPool:
         ]
         self._closed = False
         self._owns_payload = True
+        self._payload_lock = threading.Lock()
         self._pid = os.getpid()
         _live_pools.add(self)
         # Serialises _shutdown_sync/_kill_sync: a second caller (another thread) waits until the
@@ -234,9 +235,18 @@ class WorkerPool:
         return await run_off_loop(start_sync, name="start", on_abandon=lambda p: p._kill_sync())
 
     async def replace(self) -> WorkerPool:
-        """Kill these workers and start an identical set (after a crash); the payload moves over."""
-        self.hand_over_payload()
-        await self.shutdown(graceful=False)
+        """Kill these workers and start an identical set (after a crash); the payload moves over.
+
+        Cancelled (the epoch ended meanwhile) before the new pool exists, the payload is closed
+        here; once :meth:`start` runs, the new pool owns it, and closes it if it never serves.
+        """
+        self.hand_over_payload()  # this shutdown must not close what the next pool needs
+        try:
+            await self.shutdown(graceful=False)
+        except BaseException:
+            self._owns_payload = True
+            self._remove_payload()
+            raise
         return await WorkerPool.start(lambda: self.spec, self._ctx, self._per_worker)
 
     def kill_sync(self) -> None:
@@ -263,9 +273,12 @@ class WorkerPool:
         self._owns_payload = False
 
     def _remove_payload(self) -> None:
-        if self._owns_payload and self.spec.payload_file is not None:
-            self._owns_payload = False
-            self.spec.payload_file[0].close()
+        # Under a lock: a cancelled replace() and its shutdown's thread may both get here, and a
+        # second os.close() of the number could close a descriptor opened meanwhile elsewhere.
+        with self._payload_lock:
+            if self._owns_payload and self.spec.payload_file is not None:
+                self._owns_payload = False
+                self.spec.payload_file[0].close()
 
     def _first_wave(self) -> int:
         """How many workers start at once; the rest start once those are up (see _start_sync)."""

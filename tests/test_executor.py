@@ -314,6 +314,34 @@ async def test_replacement_after_a_crash_starts_every_process(
             await new.shutdown(graceful=True)
 
 
+async def test_a_replacement_cancelled_while_the_dead_pool_shuts_down_closes_the_payload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The epoch ends (cancelling its recovery) while the dead pool is being killed: no pool
+    will ever own the payload file, so replace() closes it rather than leak the dataset."""
+    pool = await start_pool(quick_dataset(), 2, "spawn", per_worker=False)
+    payload = pool.spec.payload_file
+    assert payload is not None and payload[0].fd >= 0
+    kill = WorkerPool._kill_locked
+    killing = threading.Event()
+
+    def slow_kill(self: WorkerPool) -> None:
+        killing.set()
+        time.sleep(0.5)  # the window in which the epoch ends
+        kill(self)
+
+    monkeypatch.setattr(WorkerPool, "_kill_locked", slow_kill)
+    os.kill(pool._procs[0].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    task = asyncio.ensure_future(pool.replace())
+    await wait_until(killing.is_set)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(30):
+            await task
+    await wait_until(lambda: pool._stopped)
+    assert payload[0].fd == -1
+
+
 async def test_start_failing_half_way_leaves_no_process(
     monkeypatch: pytest.MonkeyPatch, one_wave: None
 ) -> None:
