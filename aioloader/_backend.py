@@ -43,7 +43,7 @@ from torch.utils.data import _DatasetKind
 
 from . import _worker
 from ._executor import CrashReport
-from ._threads import run_off_loop
+from ._threads import release_threads
 
 __all__ = ("Backend", "Direct", "Launcher", "ThreadBackend")
 
@@ -206,9 +206,8 @@ class ThreadBackend:
         raise RuntimeError("aioloader bug: a thread backend is never replaced")
 
     async def shutdown(self, *, graceful: bool) -> None:
-        self._ex.shutdown(wait=False, cancel_futures=True)
-        # The thread may be inside user code; joining waits for that call to return.
-        await run_off_loop(lambda: self._ex.shutdown(wait=True), name="fetch-join")
+        # The thread may be inside user code (a timeout): waited for a moment, then left to it.
+        await release_threads([self._ex], "loading (num_workers=0)")
 
     def kill_sync(self) -> None:
         # A thread cannot be killed: queued batches are dropped and the thread exits once the

@@ -10,10 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ("run_off_loop",)
+__all__ = ("JOIN_BOUND_S", "release_threads", "run_off_loop")
+
+#: How long a loader waits for its loading threads to finish the call they are in.
+JOIN_BOUND_S = 1.0
 
 _T = TypeVar("_T")
 
@@ -65,3 +71,35 @@ async def run_off_loop(
     if ok:
         return value  # type: ignore[no-any-return]
     raise value
+
+
+async def release_threads(
+    executors: Sequence[ThreadPoolExecutor], what: str, bound_s: float = JOIN_BOUND_S
+) -> None:
+    """Drop the executors' queued calls and wait, at most ``bound_s``, for their threads to end.
+
+    A thread inside a dataset's ``__getitem__`` cannot be interrupted: one still in a call after
+    ``bound_s`` (a stuck read after a ``timeout``) is left to finish it in the background, with a
+    ``RuntimeWarning``; its result is dropped, and the interpreter waits for it at exit.
+    """
+    threads: list[threading.Thread] = []
+    for ex in executors:
+        ex.shutdown(wait=False, cancel_futures=True)
+        threads += list(getattr(ex, "_threads", ()))
+    deadline = time.monotonic() + bound_s
+    # Polled on the loop: a helper thread joining them would itself be left behind on a timeout.
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    left = [t.name for t in threads if t.is_alive()]
+    if left:
+        warnings.warn(
+            f"aioloader: {len(left)} {what} thread(s) still inside the dataset or collate_fn "
+            f"{bound_s:g} s after the loader let go of them ({', '.join(left)}); a thread cannot "
+            "be interrupted, so each finishes that call in the background and its batch is "
+            "dropped (the interpreter waits for it at exit)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    for t in threads:
+        t.join()  # each has ended: instant

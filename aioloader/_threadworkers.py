@@ -40,7 +40,7 @@ from torch.utils.data._utils import worker as torch_worker
 from . import _worker
 from ._backend import Backend, Direct
 from ._executor import CrashReport
-from ._threads import run_off_loop
+from ._threads import release_threads
 
 __all__ = ("ThreadWorkers", "install_thread_info")
 
@@ -278,15 +278,8 @@ class ThreadWorkers:
         raise RuntimeError("aioloader bug: thread workers are never replaced")
 
     async def shutdown(self, *, graceful: bool) -> None:
-        """Drop queued batches and join the threads (each finishes the call it is in)."""
-        for ex in self._executors:
-            ex.shutdown(wait=False, cancel_futures=True)
-
-        def join() -> None:
-            for ex in self._executors:
-                ex.shutdown(wait=True)
-
-        await run_off_loop(join, name="thread-workers-join")
+        """Drop queued batches and join the threads (a stuck call is waited for only a moment)."""
+        await release_threads(self._executors, 'worker (executor="thread")')
 
     def kill_sync(self) -> None:
         # Threads cannot be killed: queued batches are dropped and each thread exits once the

@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import signal
+import threading
 import time
 import warnings
 from collections import Counter
@@ -252,6 +253,44 @@ async def test_timeout_is_honoured_without_workers() -> None:
     async with AsyncDataLoader(datasets.SlowDataset(2, delay=1.0), timeout=0.2) as loader:
         with pytest.raises(TimeoutError):
             await collect(loader)
+
+
+class _Stuck(torch.utils.data.Dataset[int]):
+    """Every read blocks until the test lets it go (a hung network read)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        self.release.wait(60)
+        return i
+
+
+@pytest.mark.parametrize("executor", ["none", "thread"])
+async def test_leaving_after_a_timeout_waits_only_a_moment_for_a_stuck_thread(
+    executor: str,
+) -> None:
+    """torch's single-process loader would wait for the read; here `timeout` raises at the
+    deadline and leaving the loader waits at most a second more, then says what was left."""
+    dataset = _Stuck()
+    kw: dict[str, Any] = {"timeout": 0.5}
+    if executor == "thread":
+        kw.update(num_workers=1, executor="thread")
+    try:
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="still inside the dataset"):
+            async with AsyncDataLoader(dataset, **kw) as loader:
+                with pytest.raises(LoaderTimeoutError):
+                    await collect(loader)
+        assert time.monotonic() - t0 < 20  # not the 60 s the read would take
+    finally:
+        dataset.release.set()
+    async with asyncio.timeout(30):  # the abandoned read returns, and its thread ends
+        while any(t.name.startswith("aioloader-") for t in threading.enumerate()):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
 
 
 async def test_sampler_error_surfaces_at_its_position() -> None:
