@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -97,9 +98,11 @@ async def test_cancelled_aclose_is_finished_by_the_next() -> None:
 
 SIGINT_SCRIPT = textwrap.dedent(
     """
-    import asyncio
+    import asyncio, faulthandler, signal, sys
     from aioloader import AsyncDataLoader
     from tests import datasets
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view into a hang
 
     async def main():
         async with AsyncDataLoader(datasets.SlowDataset(10_000, 0.01), batch_size=2,
@@ -124,12 +127,21 @@ def test_keyboard_interrupt_shuts_everything_down() -> None:
     )
     try:
         assert proc.stdout is not None
+        readable, _, _ = select.select([proc.stdout], [], [], 60)  # start-up on a loaded machine
+        assert readable, "the script printed nothing in 60 s"
         assert proc.stdout.readline().strip() == "ready"
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert len(descendants) >= 2
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # every thread's stack, to stderr
+            time.sleep(1)
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"the script did not exit within 30 s of SIGINT; its threads:\n{err}")
         assert time.monotonic() - t0 < 15
         assert "KeyboardInterrupt" in err
         _, alive = psutil.wait_procs(descendants, timeout=10)
