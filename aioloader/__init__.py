@@ -11,7 +11,8 @@ from ._errors import (
     PoisonBatchError,
     WorkerCrashedError,
 )
-from ._loader import AsyncDataLoader, AsyncMapDataset, LoaderStats
+from ._loader import AsyncDataLoader, AsyncMapDataset
+from ._records import LoaderStats
 
 __version__ = "0.1.0"
 

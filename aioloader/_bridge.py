@@ -21,8 +21,8 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, Self
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Self
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -33,12 +33,40 @@ from ._attrs import TorchAttributes
 from ._errors import LoaderClosedError
 
 if TYPE_CHECKING:
-    from ._loader import AsyncDataLoader, LoaderStats
+    from ._records import LoaderStats
 
-__all__ = ("SyncDataLoader",)
+__all__ = ("BridgedLoader", "SyncDataLoader")
 
 _B = TypeVar("_B", default=Any)
+_B_co = TypeVar("_B_co", covariant=True, default=Any)
 _R = TypeVar("_R")
+
+
+class BridgedLoader(Protocol[_B_co]):
+    """What a :class:`SyncDataLoader` runs: an :class:`~aioloader.AsyncDataLoader`.
+
+    A protocol, so that the bridge depends on what it calls and not on the loader's module.
+    """
+
+    def __aiter__(self) -> AsyncIterator[_B_co]: ...
+
+    def __len__(self) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def stats(self) -> LoaderStats: ...
+
+    def _check_open(self) -> None: ...
+
+    def _is_closed(self) -> bool: ...
+
+    def _torch_loader(self) -> DataLoader[Any]: ...
 
 
 class _Portal:
@@ -103,16 +131,16 @@ class _Portal:
 
 
 # The portal of each bridged loader, weakly keyed: a collected loader's finalizer stops it.
-_portals: weakref.WeakKeyDictionary[AsyncDataLoader[Any], _Portal] = weakref.WeakKeyDictionary()
+_portals: weakref.WeakKeyDictionary[BridgedLoader[Any], _Portal] = weakref.WeakKeyDictionary()
 _portals_lock = threading.Lock()
 # loader -> its bridge, so loader.sync() returns one object while it lives (the bridge holds
 # its loader: a strong value here would keep the loader alive for ever).
-_bridges: weakref.WeakKeyDictionary[AsyncDataLoader[Any], weakref.ref[SyncDataLoader[Any]]] = (
+_bridges: weakref.WeakKeyDictionary[BridgedLoader[Any], weakref.ref[SyncDataLoader[Any]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _portal_for(loader: AsyncDataLoader[Any]) -> _Portal:
+def _portal_for(loader: BridgedLoader[Any]) -> _Portal:
     with _portals_lock:
         portal = _portals.get(loader)
         if portal is None:
@@ -153,11 +181,11 @@ class SyncDataLoader(TorchAttributes, Generic[_B]):
                     ...
     """
 
-    def __init__(self, loader: AsyncDataLoader[_B]) -> None:
+    def __init__(self, loader: BridgedLoader[_B]) -> None:
         self._loader = loader
 
     @classmethod
-    def _of(cls, loader: AsyncDataLoader[_B]) -> SyncDataLoader[_B]:
+    def _of(cls, loader: BridgedLoader[_B]) -> SyncDataLoader[_B]:
         with _portals_lock:
             ref = _bridges.get(loader)
             bridge = ref() if ref is not None else None
@@ -170,7 +198,7 @@ class SyncDataLoader(TorchAttributes, Generic[_B]):
         return self._loader._torch_loader()
 
     @property
-    def loader(self) -> AsyncDataLoader[_B]:
+    def loader(self) -> BridgedLoader[_B]:
         """The asynchronous loader this bridge runs."""
         return self._loader
 
@@ -254,7 +282,7 @@ def _wait(future: concurrent.futures.Future[_R]) -> _R:
             continue
 
 
-async def _start_epoch(loader: AsyncDataLoader[_B]) -> Any:
+async def _start_epoch(loader: BridgedLoader[_B]) -> Any:
     return aiter(loader)
 
 

@@ -22,7 +22,7 @@ import asyncio
 import pickle
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -32,26 +32,49 @@ from ._backend import Direct
 from ._device import DeviceStage
 from ._errors import AioLoaderError, EpochEndedError, LoaderTimeoutError, WorkerCrashedError
 from ._phase import Phase
+from ._records import Counters, Failure, Plan
 
 if TYPE_CHECKING:
-    from ._epoch import Epoch
+    from ._reorder import ReorderBuffer
+    from ._resume import Progress
+    from ._stream import Acks
 
-__all__ = ("Consumer", "Failure")
+__all__ = ("Consumer", "ConsumerSide", "Failure")
+
+
+class ConsumerSide(Protocol):
+    """What the consumer uses of its epoch."""
+
+    plan: Plan
+    counters: Counters
+    epoch_no: int
+    progress: Progress
+    reorder: ReorderBuffer[Any]
+    permits: asyncio.Semaphore
+    acks: Acks | None
+    phase: Phase
+    started_at: float | None
+    end_reason: BaseException | None
+
+    @property
+    def terminal(self) -> bool: ...
+
+    async def ensure_started(self) -> None: ...
+
+    def end(self, phase: Phase, reason: BaseException | None = None) -> bool: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+    async def wait_cleanup(self) -> None: ...
 
 
 def _user_error(exc: BaseException, what: str) -> BaseException:
-    # The same rule as _stream.user_error (importing it here would close an import circle).
+    # Stop* only: any other exception of a user's ack() or pin_memory() keeps its type.
     if isinstance(exc, (StopAsyncIteration, StopIteration)):
         err = RuntimeError(f"{what} raised {type(exc).__name__}")
         err.__cause__ = exc
         return err
     return exc
-
-
-class Failure(NamedTuple):
-    """An exception to raise at this batch's position."""
-
-    exc: BaseException
 
 
 _END = object()  # the device feeder's end-of-epoch marker
@@ -60,9 +83,9 @@ _END = object()  # the device feeder's end-of-epoch marker
 class Consumer:
     """The consuming side of one epoch: ``next()`` is what ``__anext__`` awaits."""
 
-    def __init__(self, epoch: Epoch) -> None:
+    def __init__(self, epoch: ConsumerSide) -> None:
         self._epoch = epoch
-        workers = max(1, epoch.loader.num_workers)
+        workers = max(1, epoch.plan.num_workers)
         # Iterable datasets: torch's round-robin over workers that are not exhausted.
         self._active = [True] * workers
         self._next_worker = 0
@@ -76,7 +99,7 @@ class Consumer:
         # one, not when it receives this one, so nothing is loaded while the loop body uses the
         # batch. A dataset or collate_fn that refills one output buffer is safe there in torch,
         # and so it is here. Async sources keep reading ahead (their reads are I/O).
-        self._on_demand = epoch.loader.num_workers == 0 and epoch.loader._stream is None
+        self._on_demand = epoch.plan.num_workers == 0 and epoch.plan.stream is None
         self._owed_permit = False
         # The end or a fatal error was raised once: later calls see StopAsyncIteration.
         self._done = False
@@ -111,20 +134,20 @@ class Consumer:
 
     def start(self) -> None:
         """Start the device stage, if any. Called once the workers exist."""
-        loader = self._epoch.loader
+        plan = self._epoch.plan
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # given once per epoch by __aiter__, as torch does
             stage = DeviceStage(
-                pin_memory=loader.pin_memory,
-                device=loader.device,
-                pin_memory_device=loader.pin_memory_device,
+                pin_memory=plan.pin_memory,
+                device=plan.device,
+                pin_memory_device=plan.pin_memory_device,
             )
         if not stage.active:
             return
         # After the workers exist: starting CUDA and a thread must not precede a fork.
         stage.start()
         self._stage = stage
-        self._slots = asyncio.Semaphore(loader.device_prefetch)
+        self._slots = asyncio.Semaphore(plan.device_prefetch)
         self._feed_task = asyncio.get_running_loop().create_task(
             self._feed(stage), name=f"aioloader-device-feed:{self._epoch.epoch_no}"
         )
@@ -163,7 +186,7 @@ class Consumer:
 
     async def next(self) -> Any:
         ep = self._epoch
-        loader = ep.loader
+        counters = ep.counters
         if self._done or ep.phase is Phase.ENDED:
             raise self._after_end()
         t0 = time.perf_counter()
@@ -234,13 +257,13 @@ class Consumer:
                 await ep.wait_cleanup()
             raise  # otherwise one batch's error: the epoch goes on, as in torch
         finally:
-            loader._wait_s += time.perf_counter() - t0
+            counters.wait_s += time.perf_counter() - t0
         if self._yielded == 0 and ep.started_at is not None:
-            loader._ttfb = time.perf_counter() - ep.started_at
+            counters.ttfb = time.perf_counter() - ep.started_at
         if ep.acks is not None:
             ep.acks.received(self._received, ok=True)
         self._yielded += 1
-        loader._batches += 1
+        counters.batches += 1
         self._check_iterable_len()
         if self._stage is not None:
             self._last_delivered = value
@@ -272,7 +295,7 @@ class Consumer:
             raise
 
     async def _next_with_timeout(self) -> Any:
-        timeout = self._epoch.loader.timeout
+        timeout = self._epoch.plan.timeout
         if timeout <= 0:
             return await self._next_value()
         deadline = asyncio.timeout(timeout)
@@ -370,19 +393,19 @@ class Consumer:
             raise data.exc
         else:
             raise RuntimeError(f"aioloader bug: unexpected result {type(data).__name__}")
-        self._epoch.loader._samples += _batch_len(value, self._epoch.loader.batch_size)
+        self._epoch.counters.samples += _batch_len(value, self._epoch.plan.batch_size)
         return value
 
     def _check_iterable_len(self) -> None:
-        loader = self._epoch.loader
-        promised = loader._torch._IterableDataset_len_called
-        if loader._is_iterable and promised is not None and self._yielded > promised:
+        plan = self._epoch.plan
+        promised = plan.len_promised
+        if plan.is_iterable and promised is not None and self._yielded > promised:
             msg = (
-                f"Length of IterableDataset {loader.dataset} was reported to be {promised}"
+                f"Length of IterableDataset {plan.dataset_repr} was reported to be {promised}"
                 f"(when accessing len(dataloader)), but {self._yielded} samples have been "
                 "fetched. "
             )
-            if loader.num_workers > 0:
+            if plan.num_workers > 0:
                 msg += (
                     "For multiprocessing data-loading, this could be caused by not properly "
                     "configuring the IterableDataset replica at each worker. Please see "

@@ -36,21 +36,19 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import connection as mp_connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _transport, _worker
 from ._backend import Backend, Direct
-from ._consumer import Consumer, Failure
+from ._consumer import Consumer
 from ._errors import EpochEndedError, emfile_error
 from ._phase import TERMINAL, Phase
+from ._records import Counters, Failure, Flight, Host, Plan
 from ._recovery import Recovery, start_error, start_failure
 from ._reorder import ReorderBuffer
 from ._resume import Progress
-from ._scheduler import Flight, run_scheduler
+from ._scheduler import run_scheduler
 from ._stream import Acks, run_stream_scheduler
-
-if TYPE_CHECKING:
-    from ._loader import AsyncDataLoader
 
 __all__ = ("Epoch", "Phase")
 
@@ -69,25 +67,30 @@ class Epoch:
     """One pass over the sampler; see the module docstring for the phases."""
 
     @property
-    def loader(self) -> AsyncDataLoader[Any]:
-        loader = self._loader_ref()
-        if loader is None:
+    def host(self) -> Host:
+        host = self._host_ref()
+        if host is None:
             raise RuntimeError("aioloader bug: an epoch outlived its loader and its iterator")
-        return loader
+        return host
 
     def __init__(
         self,
-        loader: AsyncDataLoader[Any],
+        plan: Plan,
+        host: Host,
+        counters: Counters,
         epoch_no: int,
         base_seed: int,
         progress: Progress,
         *,
         replay: bool = False,
     ) -> None:
+        #: The settings this epoch runs from, fixed when its ``async for`` began.
+        self.plan = plan
+        self.counters = counters
         # Weak: the epoch and its stages form reference cycles (each stage holds the epoch), and
         # a cycle that held the loader would keep a dropped loader, and its persistent workers,
         # alive until a garbage collection. The epoch's iterator holds the loader instead.
-        self._loader_ref = weakref.ref(loader)
+        self._host_ref = weakref.ref(host)
         self.epoch_no = epoch_no
         self.base_seed = base_seed
         self.phase = Phase.CREATED
@@ -98,15 +101,11 @@ class Epoch:
         self.resume_states: dict[int, Any] = {}
         start = progress.resume_from
         self.reorder: ReorderBuffer[Any] = ReorderBuffer(
-            loader.in_order,
+            plan.in_order,
             start=start.low if start is not None else 0,
             done=start.above if start is not None else None,
         )
-        workers = loader.num_workers
-        # prefetch_factor is None when num_workers was raised from 0 after construction: torch's
-        # default then applies.
-        prefetch = loader.prefetch_factor if loader.prefetch_factor is not None else 2
-        self.max_in_flight = prefetch * workers if workers > 0 else 1
+        self.max_in_flight = plan.max_in_flight
         self.permits = asyncio.Semaphore(self.max_in_flight)
         # Set while submissions may go on (RUNNING); cleared during recovery.
         self.resumed = asyncio.Event()
@@ -120,7 +119,7 @@ class Epoch:
         self.started_at: float | None = None
         self.recovery = Recovery(self)
         # An async source with an ``ack`` method: delivered batches are acknowledged to it.
-        stream = loader._stream
+        stream = plan.stream
         self.acks = Acks(stream.ack) if stream is not None and stream.ack is not None else None
         self.consumer = Consumer(self)
         self._watched: list[int] = []
@@ -196,13 +195,13 @@ class Epoch:
             if flight.future is not None:
                 flight.future.cancel()
         self._decide_backend_fate()
-        self.loader._epoch_ended(self)
+        self.host.epoch_ended(self)
         if loop is None:
             return True  # never started: nothing to release
         self._cleanup_task = loop.create_task(
             self._cleanup(), name=f"aioloader-cleanup:{self.epoch_no}"
         )
-        self.loader._track_cleanup(self._cleanup_task)
+        self.host.track_cleanup(self._cleanup_task)
         return True
 
     async def _guard(self) -> None:
@@ -222,9 +221,9 @@ class Epoch:
             )
             waits = [t for t in [self._cleanup_task] if t is not None]
             # The loop is going away: persistent workers cannot serve another epoch on it.
-            pool = self.loader._persistent_pool
+            pool = self.host.persistent_pool()
             if pool is not None:
-                self.loader._persistent_pool_retired(pool)
+                self.host.pool_retired(pool)
                 waits.append(asyncio.ensure_future(pool.shutdown(graceful=False)))
             for task in waits:
                 while not task.done():
@@ -253,10 +252,10 @@ class Epoch:
             # not inherit it. (A start failing later is reported to the next epoch by watch().)
             healthy = False
         if healthy:
-            self.loader._persistent_pool_kept(busy=bool(self.in_flight))
+            self.host.pool_kept(busy=bool(self.in_flight))
             self.backend = None  # the loader keeps it
         else:
-            self.loader._persistent_pool_retired(self.backend)
+            self.host.pool_retired(self.backend)
             self.owns_backend = True
 
     def _worker_died(self) -> bool:
@@ -275,7 +274,7 @@ class Epoch:
         backend, self.backend = self.backend, None
         if backend is not None and self.owns_backend:
             backend.kill_sync()
-        self.loader._epoch_ended(self)
+        self.host.epoch_ended(self)
 
     async def _cleanup(self) -> None:
         """Release the epoch's resources. Finishes even if cancelled (``asyncio.run`` exit)."""
@@ -327,11 +326,11 @@ class Epoch:
         """
         if self._start_task is None:
             loop = asyncio.get_running_loop()
-            self.loader._check_loop(loop, "start an epoch")
+            self.host.check_loop(loop, "start an epoch")
             self.loop = loop
             self.loop_thread = threading.get_ident()
             self.started_at = time.perf_counter()
-            self.loader._note_first_request(self.started_at)
+            self.counters.note_request(self.started_at)
             self._to(Phase.STARTING)
             self._guard_task = self.loop.create_task(
                 self._guard(), name=f"aioloader-guard:{self.epoch_no}"
@@ -346,7 +345,7 @@ class Epoch:
 
     async def _start(self) -> None:
         try:
-            backend, owned = await self.loader._acquire_backend(self)
+            backend, owned = await self.host.acquire_backend(self.plan, self.base_seed)
         except OSError as exc:
             if exc.errno == errno.EMFILE:
                 raise emfile_error(exc) from exc
@@ -358,11 +357,16 @@ class Epoch:
         self.install(backend, owned)
         loop = asyncio.get_running_loop()
         self._to(Phase.RUNNING)
-        schedule = run_scheduler if self.loader._stream is None else run_stream_scheduler
+        schedule = run_scheduler if self.plan.stream is None else run_stream_scheduler
         self._sched_task = loop.create_task(
             schedule(self), name=f"aioloader-scheduler:{self.epoch_no}"
         )
         self.consumer.start()
+
+    def adopt(self, old: Backend, new: Backend) -> None:
+        """Crash recovery replaced ``old`` with ``new``: they are the epoch's workers now."""
+        self.host.backend_replaced(old, new)
+        self.install(new)
 
     def install(self, backend: Backend, owned: bool | None = None) -> None:
         """Make ``backend`` the epoch's workers (at start, or a replacement after a crash)."""
@@ -423,7 +427,7 @@ class Epoch:
             self.in_flight[send_idx] = flight
             self.recovery.on_crash(gen)
             return
-        self.loader._busy_s += res.busy_s
+        self.counters.busy_s += res.busy_s
         if isinstance(res.data, _worker.Exhausted):
             self.consumer.worker_exhausted(res.data.worker_id)
             self.progress.exhausted(res.data.worker_id, res.state)

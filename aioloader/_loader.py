@@ -43,8 +43,9 @@ from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
 from ._executor import WorkerPool
 from ._phase import Phase
+from ._records import Counters, LoaderStats, Plan, StreamInput
 from ._resume import Position, Progress, Start
-from ._stream import StreamInput, check_latency, source_kind
+from ._stream import check_latency, source_kind
 from ._threadworkers import ThreadWorkers
 
 __all__ = ("AsyncDataLoader", "AsyncMapDataset", "LoaderStats")
@@ -60,27 +61,6 @@ class AsyncMapDataset(Protocol):
     def __getitem__(self, index: Any, /) -> Awaitable[Any]: ...
 
     def __len__(self) -> int: ...
-
-
-class LoaderStats(NamedTuple):
-    """A snapshot of :meth:`AsyncDataLoader.stats`. Counters cover the loader's whole life."""
-
-    #: Batches handed to the consumer.
-    batches_delivered: int
-    #: Samples in those batches (the sizes of their index batches).
-    samples_delivered: int
-    #: Seconds the consumer spent waiting in ``__anext__`` for data.
-    wait_s: float
-    #: ``wait_s`` over the time since the first batch was requested: 0 means never starved.
-    data_stall_fraction: float
-    #: Index batches submitted whose batch the consumer has not received yet.
-    batches_in_flight: int
-    #: Fraction of the workers' wall time spent loading batches.
-    worker_busy_fraction: float
-    #: Worker pools replaced after a worker died.
-    worker_restarts: int
-    #: Seconds from the latest epoch's first request to its first batch (None before one arrived).
-    time_to_first_batch_s: float | None
 
 
 _logger = logging.getLogger(__name__)
@@ -295,14 +275,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._pool_lock: asyncio.Lock | None = None
         self._pool_lock_loop: asyncio.AbstractEventLoop | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # epochs' cleanups; aclose() waits
-        # stats
-        self._batches = 0
-        self._samples = 0
-        self._wait_s = 0.0
-        self._first_request: float | None = None
-        self._busy_s = 0.0
-        self._restarts = 0
-        self._ttfb: float | None = None
+        self._counters = Counters()  # stats(), added to by the epochs
+        # What the epochs ask of this loader; they hold it (and so the loader) weakly.
+        self._host = _Host(self)
 
     # ---------------------------------------------------------------- torch-compatible attributes
 
@@ -363,6 +338,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         """
         self._check_open()
         _require_asyncio()
+        plan = self._plan()
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             # This process is a spawn/forkserver worker still importing the main module: the
             # script iterates a loader at import time. Say so in one line here, before the start
@@ -428,12 +404,68 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             # The dataset as its iterator starts: a state taken before the first batch holds it
             # (a dataset may keep the global RNG in its state; the base seed was drawn from it).
             progress.worker_states.update(self._carried_states())
-        epoch = Epoch(self, self._epoch_no, base_seed, progress, replay=pending is not None)
+        epoch = Epoch(
+            plan,
+            self._host,
+            self._counters,
+            self._epoch_no,
+            base_seed,
+            progress,
+            replay=pending is not None,
+        )
         if pending is not None and self._is_iterable:
             epoch.resume_states = dict(progress.worker_states)
         self._epoch_no += 1
         self._epochs.add(epoch)
-        return _EpochIterator(epoch)
+        return _EpochIterator(epoch, self)
+
+    def _plan(self) -> Plan:
+        """The settings the next epoch runs from, checked as torch checks them.
+
+        Settable attributes (``num_workers``, ``prefetch_factor``, ``timeout``, ...) may have
+        changed since construction; a bad value fails here, before anything starts.
+        """
+        workers = self.num_workers
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+            raise ValueError(
+                "num_workers option should be non-negative; use num_workers=0 to disable "
+                "multiprocessing."
+            )
+        timeout = self.timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        prefetch = self.prefetch_factor
+        check_prefetch_factor(prefetch, workers)
+        torch_loader = self._torch
+        promised = torch_loader._IterableDataset_len_called if self._is_iterable else None
+        return Plan(
+            num_workers=workers,
+            max_in_flight=prefetch * workers if prefetch is not None and workers > 0 else 1,
+            in_order=bool(self.in_order),
+            timeout=float(timeout),
+            batch_size=self.batch_size,
+            drop_last=bool(self.drop_last),
+            seeding=self.seeding,
+            pinned_workers=self._pinned_workers,
+            is_iterable=self._is_iterable,
+            persistent=self._persistent,
+            pin_memory=bool(self.pin_memory),
+            pin_memory_device=self.pin_memory_device,
+            device=self.device,
+            device_prefetch=self.device_prefetch,
+            max_worker_restarts=self.max_worker_restarts,
+            index_sampler=self._index_sampler,
+            batch_sampler_given=self.batch_sampler is not None,
+            one_shot_sampler=self._one_shot_sampler(),
+            stream=self._stream,
+            worker_dataset=self._worker_dataset(),
+            collate_fn=self.collate_fn,
+            worker_init_fn=self.worker_init_fn,
+            mp_context=self._mp_context(),
+            executor=self.executor,
+            dataset_repr=str(self.dataset) if promised is not None else "",
+            len_promised=promised,
+        )
 
     def _check_open(self) -> None:
         if self._state is _State.CLOSED:
@@ -659,9 +691,6 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
     def _persistent(self) -> bool:
         return bool(self.persistent_workers) and self.num_workers > 0
 
-    def _epoch_ended(self, epoch: Epoch) -> None:
-        self._epochs.discard(epoch)
-
     def _check_loop(self, loop: asyncio.AbstractEventLoop, what: str) -> None:
         """Refuse to run on ``loop`` while an epoch of this loader runs on another live loop.
 
@@ -682,10 +711,6 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
     def _track_cleanup(self, task: asyncio.Task[None]) -> None:
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
-
-    def _note_first_request(self, now: float) -> None:
-        if self._first_request is None:
-            self._first_request = now
 
     async def aclose(self) -> None:
         """End every running epoch and stop every worker process and thread. Safe to call twice.
@@ -753,28 +778,28 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         ctx = self.multiprocessing_context
         return ctx if ctx is not None else multiprocessing.get_context()
 
-    def _make_spec(self, base_seed: int, *, ship: bool = True) -> _worker.WorkerSpec:
+    def _make_spec(self, plan: Plan, base_seed: int, *, ship: bool = True) -> _worker.WorkerSpec:
         """Runs in: a helper thread (pickling a large dataset takes a while).
 
         ``ship=False``: the spec carries neither the objects nor a payload file (an executor
         that moves them itself, such as Ray's object store).
         """
         rank, world_size = self._rank_given or _distributed_rank()
-        objects = (self._worker_dataset(), self.collate_fn, self.worker_init_fn)
+        objects = (plan.worker_dataset, plan.collate_fn, plan.worker_init_fn)
         payload = None
         if not ship:
             objects_or_none = None
-        elif self._mp_context().get_start_method() != "fork":
+        elif plan.mp_context.get_start_method() != "fork":
             payload = _transport.dump_payload(objects)
             objects_or_none = None
         else:
             objects_or_none = objects
         return _worker.WorkerSpec(
-            num_workers=self.num_workers,
+            num_workers=plan.num_workers,
             base_seed=base_seed,
-            is_iterable=self._is_iterable,
-            auto_collation=self.batch_sampler is not None,
-            drop_last=self.drop_last,
+            is_iterable=plan.is_iterable,
+            auto_collation=plan.batch_sampler_given,
+            drop_last=plan.drop_last,
             main_pid=os.getpid(),
             nice=self.worker_nice,
             payload_file=payload,
@@ -791,63 +816,63 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             return _worker.SampleCollator(self.transform)
         return self.dataset
 
-    async def _new_pool(self, base_seed: int) -> Backend:
-        """Start a set of ``num_workers`` workers of the loader's executor."""
-        executor = self.executor
+    async def _new_pool(self, plan: Plan, base_seed: int) -> Backend:
+        """Start a set of ``plan.num_workers`` workers of the plan's executor."""
+        executor = plan.executor
         if executor == "process":
             return await WorkerPool.start(
-                functools.partial(self._make_spec, base_seed),
-                self._mp_context(),
-                self._pinned_workers,
+                functools.partial(self._make_spec, plan, base_seed),
+                plan.mp_context,
+                plan.pinned_workers,
             )
         if executor == "thread":
             rank, world_size = self._rank_given or _distributed_rank()
             return ThreadWorkers(
-                dataset=self._worker_dataset(),
+                dataset=plan.worker_dataset,
                 rank=rank,
                 world_size=world_size,
-                num_workers=self.num_workers,
+                num_workers=plan.num_workers,
                 base_seed=base_seed,
-                is_iterable=self._is_iterable,
-                auto_collation=self.batch_sampler is not None,
-                collate_fn=self.collate_fn,
-                drop_last=self.drop_last,
-                worker_init_fn=self.worker_init_fn,
-                pinned=self._pinned_workers,
+                is_iterable=plan.is_iterable,
+                auto_collation=plan.batch_sampler_given,
+                collate_fn=plan.collate_fn,
+                drop_last=plan.drop_last,
+                worker_init_fn=plan.worker_init_fn,
+                pinned=plan.pinned_workers,
             )
         assert not isinstance(executor, str)
-        spec = self._make_spec(base_seed, ship=False)
-        objects = (self._worker_dataset(), self.collate_fn, self.worker_init_fn)
-        return await executor.start(spec, objects, self._pinned_workers)
+        spec = self._make_spec(plan, base_seed, ship=False)
+        objects = (plan.worker_dataset, plan.collate_fn, plan.worker_init_fn)
+        return await executor.start(spec, objects, plan.pinned_workers)
 
-    async def _acquire_backend(self, epoch: Epoch) -> tuple[Backend, bool]:
+    async def _acquire_backend(self, plan: Plan, base_seed: int) -> tuple[Backend, bool]:
         """(backend, owned by the epoch). Persistent workers: the loader's pool, started once."""
-        if self.num_workers == 0:
+        if plan.num_workers == 0:
             backend = ThreadBackend(
-                dataset=self._worker_dataset(),
-                is_iterable=self._is_iterable,
-                auto_collation=self.batch_sampler is not None,
-                collate_fn=self.collate_fn,
-                drop_last=self.drop_last,
+                dataset=plan.worker_dataset,
+                is_iterable=plan.is_iterable,
+                auto_collation=plan.batch_sampler_given,
+                collate_fn=plan.collate_fn,
+                drop_last=plan.drop_last,
             )
             return backend, True
-        if not self._persistent:
-            return await self._new_pool(epoch.base_seed), True
+        if not plan.persistent:
+            return await self._new_pool(plan, base_seed), True
         loop = asyncio.get_running_loop()
         if self._pool_lock is None or self._pool_lock_loop is not loop:
             self._pool_lock, self._pool_lock_loop = asyncio.Lock(), loop
         async with self._pool_lock:
             old = self._persistent_pool
-            if old is not None and old.num_workers != self.num_workers:
+            if old is not None and old.num_workers != plan.num_workers:
                 # num_workers was changed between epochs (torch allows it): the kept workers are
                 # the wrong number, so this epoch starts the right one.
                 _logger.debug("num_workers %d -> %d: new persistent workers", old.num_workers,
-                              self.num_workers)  # fmt: skip
+                              plan.num_workers)  # fmt: skip
                 busy = self._persistent_pool_busy
                 self._persistent_pool = None
                 await old.shutdown(graceful=not busy)
             if self._persistent_pool is None:
-                self._persistent_pool = await self._new_pool(epoch.base_seed)
+                self._persistent_pool = await self._new_pool(plan, base_seed)
                 self._persistent_pool_busy = False
             return self._persistent_pool, False
 
@@ -881,19 +906,65 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
 
     def stats(self) -> LoaderStats:
         """Counters since construction; cheap enough to call every batch."""
+        c = self._counters
         now = time.perf_counter()
-        elapsed = (now - self._first_request) if self._first_request is not None else 0.0
+        elapsed = (now - c.first_request) if c.first_request is not None else 0.0
         workers = max(1, self.num_workers)
         return LoaderStats(
-            batches_delivered=self._batches,
-            samples_delivered=self._samples,
-            wait_s=self._wait_s,
-            data_stall_fraction=(self._wait_s / elapsed) if elapsed > 0 else 0.0,
+            batches_delivered=c.batches,
+            samples_delivered=c.samples,
+            wait_s=c.wait_s,
+            data_stall_fraction=(c.wait_s / elapsed) if elapsed > 0 else 0.0,
             batches_in_flight=sum(e.in_flight_count() for e in list(self._epochs)),
-            worker_busy_fraction=min(1.0, self._busy_s / (elapsed * workers)) if elapsed else 0.0,
-            worker_restarts=self._restarts,
-            time_to_first_batch_s=self._ttfb,
+            worker_busy_fraction=min(1.0, c.busy_s / (elapsed * workers)) if elapsed else 0.0,
+            worker_restarts=c.restarts,
+            time_to_first_batch_s=c.ttfb,
         )
+
+
+class _Host:
+    """The loader as its epochs see it (:class:`~aioloader._records.Host`).
+
+    Holds the loader weakly, as the epochs hold this: an epoch's reference cycles must not keep
+    a dropped loader, and its persistent workers, alive until a garbage collection.
+    """
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, loader: AsyncDataLoader[Any]) -> None:
+        self._ref = weakref.ref(loader)
+
+    def _loader(self) -> AsyncDataLoader[Any]:
+        loader = self._ref()
+        if loader is None:
+            raise RuntimeError("aioloader bug: an epoch outlived its loader and its iterator")
+        return loader
+
+    async def acquire_backend(self, plan: Plan, base_seed: int) -> tuple[Backend, bool]:
+        return await self._loader()._acquire_backend(plan, base_seed)
+
+    def persistent_pool(self) -> Backend | None:
+        return self._loader()._persistent_pool
+
+    def pool_kept(self, *, busy: bool) -> None:
+        self._loader()._persistent_pool_kept(busy=busy)
+
+    def pool_retired(self, pool: Backend) -> None:
+        self._loader()._persistent_pool_retired(pool)
+
+    def backend_replaced(self, old: Backend, new: Backend) -> None:
+        self._loader()._backend_replaced(old, new)
+
+    def epoch_ended(self, epoch: object) -> None:
+        loader = self._ref()
+        if loader is not None:
+            loader._epochs.discard(epoch)  # type: ignore[arg-type]
+
+    def track_cleanup(self, task: asyncio.Task[None]) -> None:
+        self._loader()._track_cleanup(task)
+
+    def check_loop(self, loop: asyncio.AbstractEventLoop, what: str) -> None:
+        self._loader()._check_loop(loop, what)
 
 
 class _EpochIterator(Generic[_E]):
@@ -904,9 +975,9 @@ class _EpochIterator(Generic[_E]):
     ``async for``; to share one epoch's batches, hand them out through an ``asyncio.Queue``).
     """
 
-    def __init__(self, epoch: Epoch) -> None:
+    def __init__(self, epoch: Epoch, loader: AsyncDataLoader[Any]) -> None:
         self._epoch = epoch
-        self._loader = epoch.loader  # the epoch holds it weakly
+        self._loader = loader  # the epoch holds it weakly
         self._awaited = False
         self._pid = os.getpid()  # see AsyncDataLoader._pid
 

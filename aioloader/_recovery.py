@@ -25,7 +25,7 @@ import errno
 import logging
 import warnings
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import PoisonBatchError, WorkerCrashedError, emfile_error
 from ._executor import CrashReport
@@ -34,9 +34,37 @@ from ._threads import run_off_loop
 
 if TYPE_CHECKING:
     from ._backend import Backend
-    from ._epoch import Epoch
+    from ._records import Counters, Flight, Plan
 
-__all__ = ("Recovery", "start_error", "start_failure")
+
+class RecoverySide(Protocol):
+    """What the recovery uses of its epoch."""
+
+    plan: Plan
+    counters: Counters
+    epoch_no: int
+    phase: Phase
+    generation: int
+    backend: Backend | None
+    in_flight: dict[int, Flight]
+
+    @property
+    def terminal(self) -> bool: ...
+
+    def _to(self, phase: Phase) -> None: ...
+
+    def unwatch(self) -> None: ...
+
+    def submit(self, send_idx: int) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+    def adopt(self, old: Backend, new: Backend) -> None:
+        """Make ``new``, the replacement of the crashed ``old``, the epoch's workers."""
+        ...
+
+
+__all__ = ("Recovery", "RecoverySide", "start_error", "start_failure")
 
 _logger = logging.getLogger(__name__)
 
@@ -44,7 +72,7 @@ _logger = logging.getLogger(__name__)
 class Recovery:
     """The epoch's crash handling: :meth:`on_crash` is the one entry point."""
 
-    def __init__(self, epoch: Epoch) -> None:
+    def __init__(self, epoch: RecoverySide) -> None:
         self._epoch = epoch
         self._kills: Counter[int] = Counter()
         self.restarts = 0
@@ -88,14 +116,13 @@ class Recovery:
                     ep.fail(err)
                     return
                 self.restarts += 1
-                ep.loader._restarts += 1
+                ep.counters.restarts += 1
                 self._warn(report)
                 new = await backend.replace()
                 if ep.terminal:
                     await new.shutdown(graceful=False)
                     return
-                ep.loader._backend_replaced(backend, new)
-                ep.install(new)
+                ep.adopt(backend, new)
                 self.resubmitting = True
                 try:
                     for send_idx in sorted(ep.in_flight):
@@ -114,7 +141,7 @@ class Recovery:
 
     def _warn(self, report: CrashReport) -> None:
         ep = self._epoch
-        limit = ep.loader.max_worker_restarts
+        limit = ep.plan.max_worker_restarts
         try:
             warnings.warn(
                 f"{self._describe(report)}; restarting the workers and resubmitting "
@@ -152,7 +179,7 @@ class Recovery:
     def _crash_error(self, report: CrashReport) -> WorkerCrashedError | None:
         """The error to fail the epoch with, or None if the workers may be restarted."""
         ep = self._epoch
-        loader = ep.loader
+        plan = ep.plan
         msg = self._describe(report)
         held = self._held(report)
         indices: Any = ep.in_flight[held].indices if held is not None else None
@@ -168,7 +195,7 @@ class Recovery:
                 "must create and iterate the loader only under `if __name__ == '__main__':`.",
                 **common,
             )
-        if loader._is_iterable:
+        if plan.is_iterable:
             return WorkerCrashedError(
                 f"{msg}. An IterableDataset worker's position in its stream dies with it, so "
                 "it is not restarted (its samples would be lost or repeated).",
@@ -181,10 +208,10 @@ class Recovery:
                 indices=indices,
                 **common,
             )
-        if self.restarts >= loader.max_worker_restarts:
+        if self.restarts >= plan.max_worker_restarts:
             return WorkerCrashedError(
                 f"{msg}. The workers were already restarted {self.restarts} time(s) this epoch "
-                f"(max_worker_restarts={loader.max_worker_restarts}).",
+                f"(max_worker_restarts={plan.max_worker_restarts}).",
                 indices=indices,
                 **common,
             )

@@ -13,62 +13,74 @@ to the backend's shared queue.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ._consumer import Failure
+from ._records import Failure, Flight, Plan
 from ._resume import batch_seed
 from ._sampling import IndexStream
-from ._worker import Extra
 
 if TYPE_CHECKING:
-    from ._epoch import Epoch
+    from ._reorder import ReorderBuffer
+    from ._resume import Progress
 
-__all__ = ("Flight", "run_scheduler")
-
-
-class Flight(NamedTuple):
-    """One submitted index batch: its indices, the worker it is pinned to, its future."""
-
-    indices: Any
-    worker_id: int | None
-    future: Future[Any] | None
-    #: ``seeding="batch"``: the batch's seed, sent with it (again on a resubmission).
-    seed: int | None = None
-    #: An iterable worker's first batch of a resumed epoch: the dataset state to load first.
-    resume: Any = None
-
-    def task(self) -> Any:
-        """What the backend is given as the indices."""
-        if self.seed is None and self.resume is None:
-            return self.indices
-        return Extra(self.indices, self.seed, self.resume)
+__all__ = ("Flight", "SubmitSide", "run_scheduler")
 
 
-async def run_scheduler(epoch: Epoch) -> None:
+class _Picker(Protocol):
+    def pick_worker(self) -> int | None:
+        """The next worker in torch's round-robin that is not exhausted; None: all are."""
+        ...
+
+
+class SubmitSide(Protocol):
+    """What the scheduler (and the stream scheduler) use of their epoch."""
+
+    plan: Plan
+    epoch_no: int
+    base_seed: int
+    progress: Progress
+    replay: bool
+    resume_states: dict[int, Any]
+    permits: asyncio.Semaphore
+    resumed: asyncio.Event
+    reorder: ReorderBuffer[Any]
+    in_flight: dict[int, Flight]
+
+    @property
+    def consumer(self) -> _Picker: ...
+
+    @property
+    def terminal(self) -> bool: ...
+
+    def submit(self, send_idx: int) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
+async def run_scheduler(epoch: SubmitSide) -> None:
     """Submit every index batch of the epoch, then close the reorder buffer at the end.
 
     A resumed epoch starts at the first ``send_idx`` its consumer did not receive and passes
     over the index batches delivered before, without loading them.
     """
-    loader = epoch.loader
+    plan = epoch.plan
     progress = epoch.progress
     resume = progress.resume_from
     skip = resume.low if resume is not None else 0
     above = resume.above if resume is not None else set()
     stream = IndexStream(
-        loader._index_sampler,
-        batch_sampler=loader.batch_sampler is not None,
+        plan.index_sampler,
+        batch_sampler=plan.batch_sampler_given,
         start=progress.start,
         replay=epoch.replay,
         skip=skip,
     )
-    batch_seeding = loader.seeding == "batch"
+    batch_seeding = plan.seeding == "batch"
     # An iterable's batch is worker w's k-th, whichever send_idx carries it: once a worker runs
     # dry, how many of its turns were already handed out before that was known is timing. So its
     # seed follows (k, w), numbered k * workers + w: the send_idx while every worker is active,
     # and the send_idx itself with one worker.
-    workers = max(1, loader.num_workers)
+    workers = max(1, plan.num_workers)
     turns = dict(progress.worker_batches)  # worker id -> its batches submitted so far
     pending = epoch.resume_states  # worker id -> dataset state, until its first batch
     send_idx = skip
@@ -81,7 +93,7 @@ async def run_scheduler(epoch: Epoch) -> None:
             try:
                 indices = await stream.next()
             except StopAsyncIteration:
-                if send_idx == 0 and epoch.epoch_no > 0 and loader._one_shot_sampler():
+                if send_idx == 0 and epoch.epoch_no > 0 and plan.one_shot_sampler:
                     epoch.reorder.put(send_idx, Failure(one_shot_error()))
                     send_idx += 1
                 else:
@@ -96,7 +108,7 @@ async def run_scheduler(epoch: Epoch) -> None:
                 epoch.permits.release()
                 continue
             wid: int | None = None
-            if loader._pinned_workers:
+            if plan.pinned_workers:
                 wid = epoch.consumer.pick_worker()
                 if wid is None:  # every iterable worker is exhausted
                     epoch.permits.release()

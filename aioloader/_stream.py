@@ -36,24 +36,27 @@ import logging
 import math
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-from ._consumer import Failure
+from ._records import Failure, Flight, StreamInput
 from ._resume import batch_seed
 from ._sampling import IndexStream
-from ._scheduler import Flight
+from ._scheduler import SubmitSide
 from ._worker import Samples
 
-if TYPE_CHECKING:
-    from ._epoch import Epoch
-
-__all__ = ("Acks", "StreamInput", "run_stream_scheduler", "source_kind", "user_error")
+__all__ = ("Acks", "run_stream_scheduler", "source_kind", "user_error")
 
 _logger = logging.getLogger(__name__)
 
 #: How long a source left early (break, aclose(), an error) gets to stop once cancelled,
 #: cancelled again and again meanwhile, before it is given up on and left running.
 SOURCE_STOP_S = 5.0
+
+
+class StreamSide(SubmitSide, Protocol):
+    """What the stream scheduler uses of its epoch: the scheduler's, and the acknowledgements."""
+
+    acks: Acks | None
 
 
 def user_error(exc: BaseException, what: str) -> BaseException:
@@ -88,27 +91,6 @@ def source_kind(dataset: object) -> str | None:
         if inspect.iscoroutinefunction(getattr(cls, name, None)):
             return "map"
     return None
-
-
-class StreamInput:
-    """A loader's async source and how it is read; validated once, in the loader's constructor."""
-
-    def __init__(
-        self,
-        source: Any,
-        kind: str,
-        *,
-        max_batch_latency: float | None,
-        source_concurrency: int,
-        batch_size: int | None,
-    ) -> None:
-        self.source = source
-        self.kind = kind
-        self.max_batch_latency = max_batch_latency
-        self.source_concurrency = source_concurrency
-        self.batch_size = batch_size
-        ack = getattr(source, "ack", None)
-        self.ack: Callable[[list[Any]], Any] | None = ack if callable(ack) else None
 
 
 def check_latency(value: object) -> float | None:
@@ -163,9 +145,9 @@ class Acks:
                 raise err from exc
 
 
-async def run_stream_scheduler(epoch: Epoch) -> None:
+async def run_stream_scheduler(epoch: StreamSide) -> None:
     """Submit the epoch's windows of samples, then close the reorder buffer at the end."""
-    stream = epoch.loader._stream
+    stream = epoch.plan.stream
     assert stream is not None
     try:
         if stream.kind == "iterable":
@@ -178,23 +160,23 @@ async def run_stream_scheduler(epoch: Epoch) -> None:
         epoch.fail(exc)
 
 
-def _submit(epoch: Epoch, send_idx: int, samples: Samples, wid: int | None) -> None:
+def _submit(epoch: StreamSide, send_idx: int, samples: Samples, wid: int | None) -> None:
     if epoch.acks is not None:
         epoch.acks.submitted(send_idx, samples)
     seed = None
-    if epoch.loader.seeding == "batch":
+    if epoch.plan.seeding == "batch":
         seed = batch_seed(epoch.base_seed, epoch.progress.epoch, send_idx)
     epoch.in_flight[send_idx] = Flight(samples, wid, None, seed)
     epoch.submit(send_idx)
 
 
-async def _permit(epoch: Epoch) -> tuple[bool, int | None]:
+async def _permit(epoch: StreamSide) -> tuple[bool, int | None]:
     """Wait for a permit and a running epoch; (False, None) if the epoch ended meanwhile."""
     await epoch.permits.acquire()
     await epoch.resumed.wait()
     if epoch.terminal:
         return False, None
-    wid = epoch.consumer.pick_worker() if epoch.loader._pinned_workers else None
+    wid = epoch.consumer.pick_worker() if epoch.plan.pinned_workers else None
     return True, wid
 
 
@@ -274,11 +256,11 @@ class _Reader:
                 await asyncio.wait([task], timeout=0.05)
 
 
-async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
+async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
     loop = asyncio.get_running_loop()
     size = stream.batch_size if stream.batch_size is not None else 1
     latency = stream.max_batch_latency
-    drop_last = bool(epoch.loader.drop_last)
+    drop_last = bool(epoch.plan.drop_last)
     source = stream.source
     if inspect.isasyncgen(source) and source.ag_frame is None:
         warnings.warn(
@@ -349,10 +331,9 @@ async def _run_iterable(epoch: Epoch, stream: StreamInput) -> None:
         await reading.stop(reader)
 
 
-async def _run_map(epoch: Epoch, stream: StreamInput) -> None:
-    loader = epoch.loader
+async def _run_map(epoch: StreamSide, stream: StreamInput) -> None:
     indices_stream = IndexStream(
-        loader._index_sampler, batch_sampler=loader.batch_sampler is not None
+        epoch.plan.index_sampler, batch_sampler=epoch.plan.batch_sampler_given
     )
     calls = asyncio.Semaphore(stream.source_concurrency)
     loop = asyncio.get_running_loop()
@@ -391,7 +372,7 @@ async def _run_map(epoch: Epoch, stream: StreamInput) -> None:
 
 
 async def _fetch_and_submit(
-    epoch: Epoch,
+    epoch: StreamSide,
     stream: StreamInput,
     send_idx: int,
     indices: Any,

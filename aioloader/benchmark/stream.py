@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from aioloader._loader import AsyncDataLoader
+from aioloader import AsyncDataLoader
 from aioloader.benchmark._harness import Config, Row, aio_class, plan, ratio_check
 from aioloader.benchmark._limit import LIMIT, bare_round_trip
 from aioloader.benchmark.tiny import fraction_of_limit
