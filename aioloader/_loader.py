@@ -929,7 +929,7 @@ class _Host:
     a dropped loader, and its persistent workers, alive until a garbage collection.
     """
 
-    __slots__ = ("_ref",)
+    __slots__ = ("__weakref__", "_ref")
 
     def __init__(self, loader: AsyncDataLoader[Any]) -> None:
         self._ref = weakref.ref(loader)

@@ -65,3 +65,35 @@ async def test_workers_set_on_a_loader_made_without_get_torchs_default_prefetch(
     assert loader.prefetch_factor == 2
     async with loader, asyncio.timeout(60):
         assert [b.flatten().tolist() async for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+async def test_a_bad_timeout_set_later_fails_the_next_epoch_with_torchs_error() -> None:
+    """torch checks timeout only in its constructor; here the next epoch's plan checks it."""
+    async with AsyncDataLoader(datasets.RangeDataset(4), batch_size=2) as loader:
+        loader.timeout = -1
+        with pytest.raises(ValueError, match="timeout option should be non-negative"):
+            aiter(loader)
+        loader.timeout = 0
+        async with asyncio.timeout(30):
+            assert len([b async for b in loader]) == 2
+
+
+async def test_settings_changed_during_an_epoch_reach_the_next_one_not_the_running_one() -> None:
+    """A running epoch runs from the plan made when it began: a timeout and a prefetch depth
+    set half-way through apply from the next epoch on."""
+    loader = AsyncDataLoader(
+        datasets.SlowDataset(6, delay=0.2), batch_size=1, num_workers=1, prefetch_factor=1
+    )
+    async with loader, asyncio.timeout(60):
+        got = []
+        async for batch in loader:
+            got.append(int(batch))
+            if len(got) == 1:
+                loader.timeout = 0.05  # far shorter than a batch takes
+                loader.prefetch_factor = 4
+                await asyncio.sleep(0.5)
+                assert loader.stats().batches_in_flight <= 1  # still this epoch's bound
+        assert got == list(range(6))
+        with pytest.raises(TimeoutError):
+            async for _ in loader:
+                pass
