@@ -279,7 +279,10 @@ def _wait(future: concurrent.futures.Future[_R]) -> _R:
         try:
             return future.result(timeout=_SIGNAL_POLL_S)
         except concurrent.futures.TimeoutError:
-            continue
+            # The same class as the builtin TimeoutError: the loader's LoaderTimeoutError (or a
+            # dataset's own TimeoutError) raised by a finished future is the answer, not a wait.
+            if future.done():
+                raise
 
 
 async def _start_epoch(loader: BridgedLoader[_B]) -> Any:

@@ -87,6 +87,35 @@ def test_worker_error_keeps_type_and_traceback_and_the_epoch_goes_on() -> None:
     assert out == [[0, 1], "error", [4, 5], [6, 7]]  # what torch's iterator yields
 
 
+@pytest.mark.timeout(60)
+def test_the_timeout_is_raised_to_a_synchronous_caller() -> None:
+    """LoaderTimeoutError is a TimeoutError, the class concurrent.futures raises for a wait
+    that ran out: the bridge must tell the loader's answer from its own polling."""
+    from aioloader import LoaderTimeoutError
+
+    ds = datasets.SlowDataset(6, delay=5.0)
+    with AsyncDataLoader(ds, batch_size=2, num_workers=1, timeout=0.5).sync() as loader:
+        t0 = time.monotonic()
+        with pytest.raises(LoaderTimeoutError, match=r"timed out after 0\.5 seconds"):
+            next(iter(loader))
+        assert time.monotonic() - t0 < 4  # the deadline, not the 5 s read
+
+
+@pytest.mark.timeout(60)
+def test_a_datasets_own_timeout_error_reaches_a_synchronous_caller_and_the_epoch_goes_on() -> None:
+    ds = datasets.RaisingDataset(6, bad=2, exc_type=TimeoutError)
+    got: list[Any] = []
+    with AsyncDataLoader(ds, batch_size=2, num_workers=2).sync() as loader:
+        it = iter(loader)
+        for _ in range(3):
+            try:
+                got.append(next(it).flatten().tolist())
+            except TimeoutError as exc:
+                assert "bad sample 2" in str(exc)
+                got.append("error")
+    assert got == [[0, 1], "error", [4, 5]]
+
+
 def test_a_killed_worker_is_replaced_and_every_sample_arrives_once(tmp_path: Path) -> None:
     ds = datasets.ExitOnceDataset(20, bad=7, marker=str(tmp_path / "died"))
     with AsyncDataLoader(ds, batch_size=2, num_workers=2).sync() as loader:
