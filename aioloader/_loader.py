@@ -790,8 +790,16 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         if not ship:
             objects_or_none = None
         elif plan.mp_context.get_start_method() != "fork":
-            payload = _transport.dump_payload(objects)
-            objects_or_none = None
+            try:
+                payload = _transport.dump_payload(objects)
+                objects_or_none = None
+            except RuntimeError as exc:
+                if "through inheritance" not in str(exc):
+                    raise
+                # multiprocessing's Value, Lock, Queue... (a counter shared by the workers) can
+                # be pickled only while a process is being started: each worker then gets them
+                # in its start arguments, pickled once per worker, as torch's workers do.
+                objects_or_none = objects
         else:
             objects_or_none = objects
         return _worker.WorkerSpec(

@@ -612,3 +612,16 @@ class TensorKinds(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return tensor_kinds()
+
+
+class SharedCounterDataset(RangeDataset):
+    """Counts the samples loaded, across every worker, in a ``multiprocessing`` Value."""
+
+    def __init__(self, n: int, ctx: Any) -> None:
+        super().__init__(n)
+        self.count = ctx.Value("i", 0, lock=True)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with self.count.get_lock():
+            self.count.value += 1
+        return super().__getitem__(i)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import multiprocessing
 import os
 import random
 import subprocess
@@ -260,3 +262,22 @@ async def test_num_workers_0_loads_only_when_the_next_batch_is_asked_for() -> No
             await asyncio.sleep(0.01)  # the loop body awaits: nothing may load meanwhile
             changed += int(not torch.equal(seen, batch))
     assert changed == 0
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_a_dataset_holding_a_multiprocessing_value_works_under_spawn(
+    start_method: str,
+) -> None:
+    """A Value (or Lock, Queue) pickles only while a process starts; torch's workers get the
+    dataset in their start arguments, and so do ours then (instead of the shared payload)."""
+    ctx = multiprocessing.get_context(start_method)
+    dataset = datasets.SharedCounterDataset(12, ctx)
+    loader = AsyncDataLoader(
+        dataset, batch_size=3, num_workers=2, multiprocessing_context=start_method
+    )
+    async with loader, asyncio.timeout(120):
+        got = [b.flatten().tolist() async for b in loader]
+    assert got == [[i, i + 1, i + 2] for i in range(0, 12, 3)]
+    assert dataset.count.value == 12  # every worker counted into the main process's Value
+    del dataset, loader
+    gc.collect()  # the Value's semaphore goes with it
