@@ -118,14 +118,24 @@ class Consumer:
 
     # --------------------------------------------------------------------- worker choice
 
-    def pick_worker(self) -> int | None:
+    def pick_worker(self, outstanding: list[int] | None = None, bound: int = 0) -> int | None:
+        """The next worker in turn that is not exhausted; None: none is left.
+
+        With ``outstanding`` (batches each worker holds), as torch does for ``in_order=False``:
+        only a worker holding fewer than its share of ``bound`` (the in-flight bound split
+        between the workers still active); None: none has room now.
+        """
         n = len(self._active)
+        share = bound // max(1, sum(self._active))
         for _ in range(n):
             wid = self._next_worker
             self._next_worker = (self._next_worker + 1) % n
-            if self._active[wid]:
+            if self._active[wid] and (outstanding is None or outstanding[wid] < share):
                 return wid
         return None
+
+    def all_exhausted(self) -> bool:
+        return not any(self._active)
 
     def worker_exhausted(self, wid: int) -> None:
         self._active[wid] = False

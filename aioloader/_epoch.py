@@ -110,6 +110,10 @@ class Epoch:
         # Set while submissions may go on (RUNNING); cleared during recovery.
         self.resumed = asyncio.Event()
         self.in_flight: dict[int, Flight] = {}
+        # Pinned workers: batches submitted to each and not yet back, and an event set when one
+        # comes back (in_order=False hands a batch only to a worker below its share).
+        self.outstanding = [0] * max(1, plan.num_workers)
+        self.arrived = asyncio.Event()
         self.backend: Backend | None = None
         self.owns_backend = False
         # Bumped when a crash is accepted: every future of the dead workers is stale from then.
@@ -181,6 +185,7 @@ class Epoch:
         self.phase = phase
         self.end_reason = reason if phase is Phase.ENDED else None
         self.resumed.set()  # a scheduler waiting for a recovery wakes and sees the end
+        self.arrived.set()  # ... or for a worker with room
         self._ended.set()
         self.unwatch()
         # Wake a consumer waiting in the reorder buffer: with the reason, or with the end when
@@ -428,6 +433,9 @@ class Epoch:
             self.recovery.on_crash(gen)
             return
         self.counters.busy_s += res.busy_s
+        if flight.worker_id is not None:
+            self.outstanding[flight.worker_id] -= 1
+            self.arrived.set()
         if isinstance(res.data, _worker.Exhausted):
             self.consumer.worker_exhausted(res.data.worker_id)
             self.progress.exhausted(res.data.worker_id, res.state)

@@ -27,9 +27,11 @@ __all__ = ("Flight", "SubmitSide", "run_scheduler")
 
 
 class _Picker(Protocol):
-    def pick_worker(self) -> int | None:
-        """The next worker in torch's round-robin that is not exhausted; None: all are."""
+    def pick_worker(self, outstanding: list[int] | None = None, bound: int = 0) -> int | None:
+        """The next worker in torch's round-robin that is not exhausted (and has room)."""
         ...
+
+    def all_exhausted(self) -> bool: ...
 
 
 class SubmitSide(Protocol):
@@ -45,6 +47,8 @@ class SubmitSide(Protocol):
     resumed: asyncio.Event
     reorder: ReorderBuffer[Any]
     in_flight: dict[int, Flight]
+    outstanding: list[int]
+    arrived: asyncio.Event
 
     @property
     def consumer(self) -> _Picker: ...
@@ -109,10 +113,13 @@ async def run_scheduler(epoch: SubmitSide) -> None:
                 continue
             wid: int | None = None
             if plan.pinned_workers:
-                wid = epoch.consumer.pick_worker()
+                wid = await _pick(epoch)
+                if epoch.terminal:
+                    return
                 if wid is None:  # every iterable worker is exhausted
                     epoch.permits.release()
                     break
+                epoch.outstanding[wid] += 1
             # Pulling the indices may have yielded to the loop: a crash meanwhile pauses us here,
             # so nothing is submitted to workers already known to be dead.
             await epoch.resumed.wait()
@@ -135,6 +142,20 @@ async def run_scheduler(epoch: SubmitSide) -> None:
         raise
     except BaseException as exc:  # a bug of ours: surface it rather than hang the consumer
         epoch.fail(exc)
+
+
+async def _pick(epoch: SubmitSide) -> int | None:
+    """The worker for the next batch: torch's round-robin, and with ``in_order=False`` only a
+    worker below its share of the in-flight bound (torch's rule), so one stuck on a slow item
+    does not collect the others' turns. None once every worker is exhausted."""
+    if epoch.plan.in_order:
+        return epoch.consumer.pick_worker()
+    while True:
+        wid = epoch.consumer.pick_worker(epoch.outstanding, epoch.plan.max_in_flight)
+        if wid is not None or epoch.consumer.all_exhausted() or epoch.terminal:
+            return wid
+        epoch.arrived.clear()
+        await epoch.arrived.wait()
 
 
 def one_shot_error() -> ValueError:

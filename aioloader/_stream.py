@@ -177,6 +177,8 @@ async def _permit(epoch: StreamSide) -> tuple[bool, int | None]:
     if epoch.terminal:
         return False, None
     wid = epoch.consumer.pick_worker() if epoch.plan.pinned_workers else None
+    if wid is not None:
+        epoch.outstanding[wid] += 1
     return True, wid
 
 

@@ -625,3 +625,20 @@ class SharedCounterDataset(RangeDataset):
         with self.count.get_lock():
             self.count.value += 1
         return super().__getitem__(i)
+
+
+class HalvesIterable(torch.utils.data.IterableDataset[tuple[int, int]]):
+    """Each of the workers yields its contiguous part of ``range(n)`` as ``(worker_id, i)``; the
+    item at ``n // 2`` (the second worker's first, with two) takes ``slow_s`` seconds."""
+
+    def __init__(self, n: int, slow_s: float) -> None:
+        self.n, self.slow_s = n, slow_s
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        wid, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        per = -(-self.n // workers)
+        for i in range(wid * per, min((wid + 1) * per, self.n)):
+            if i == self.n // 2:
+                time.sleep(self.slow_s)
+            yield wid, i

@@ -147,6 +147,16 @@ async def test_iterable_uneven_workers_matches_torch() -> None:
             assert _norm(await collect(loader)) == expected
 
 
+async def test_iterable_out_of_order_hands_batches_only_to_workers_with_room() -> None:
+    """torch's rule for in_order=False: a worker gets a batch only while it holds less than its
+    share of the in-flight bound, so worker 1, stuck on its slow first item, does not collect
+    worker 0's turns: all of worker 0's items come first (torch's own test expects this)."""
+    ds = datasets.HalvesIterable(10, slow_s=2.0)
+    async with AsyncDataLoader(ds, num_workers=2, in_order=False) as loader:
+        got = [(int(w), int(i)) for w, i in await collect(loader)]
+    assert got == [(0, i) for i in range(5)] + [(1, i) for i in range(5, 10)]
+
+
 async def test_iterable_without_sharding_duplicates_like_torch() -> None:
     ds = datasets.UnevenIterable([5, 5])  # worker k yields k*1000 + j: no sharding by index
     expected = _norm(torch_batches(ds, batch_size=2, num_workers=2))
