@@ -43,7 +43,7 @@ from torch.utils.data import _DatasetKind
 
 from . import _worker
 from ._executor import CrashReport
-from ._threads import release_threads
+from ._threads import JOIN_BOUND_S, release_threads
 
 __all__ = ("Backend", "Direct", "Launcher", "ThreadBackend")
 
@@ -128,6 +128,7 @@ class ThreadBackend:
         self._epoch = -1
         self._fetcher: Any = None
         self._ex = ThreadPoolExecutor(1, thread_name_prefix="aioloader-fetch")
+        self._join_bound_s: float | None = None
 
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
         return self._ex.submit(self._fetch, send_idx, indices, epoch)
@@ -205,9 +206,12 @@ class ThreadBackend:
     async def replace(self) -> Backend:
         raise RuntimeError("aioloader bug: a thread backend is never replaced")
 
+    def abandon_stuck_calls(self) -> None:
+        """The epoch timed out: a call still running at shutdown is waited for only a moment."""
+        self._join_bound_s = JOIN_BOUND_S
+
     async def shutdown(self, *, graceful: bool) -> None:
-        # The thread may be inside user code (a timeout): waited for a moment, then left to it.
-        await release_threads([self._ex], "loading (num_workers=0)")
+        await release_threads([self._ex], "loading (num_workers=0)", self._join_bound_s)
 
     def kill_sync(self) -> None:
         # A thread cannot be killed: queued batches are dropped and the thread exits once the

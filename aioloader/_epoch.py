@@ -41,7 +41,7 @@ from typing import Any
 from . import _transport, _worker
 from ._backend import Backend, Direct
 from ._consumer import Consumer
-from ._errors import EpochEndedError, emfile_error
+from ._errors import EpochEndedError, LoaderTimeoutError, emfile_error
 from ._phase import TERMINAL, Phase
 from ._records import Counters, Failure, Flight, Host, Plan
 from ._recovery import Recovery, start_error, start_failure
@@ -133,6 +133,8 @@ class Epoch:
         # Why the epoch ended early, raised again to a consumer that keeps asking (None: the
         # consumer ended it itself, and then gets StopAsyncIteration).
         self.end_reason: BaseException | None = None
+        #: The fatal error of a FAILED epoch.
+        self.failure: BaseException | None = None
         self._cleanup_task: asyncio.Task[None] | None = None
         self._guard_task: asyncio.Task[None] | None = None
         self._ended = asyncio.Event()
@@ -184,6 +186,7 @@ class Epoch:
         self._ended_from = self.phase
         self.phase = phase
         self.end_reason = reason if phase is Phase.ENDED else None
+        self.failure = reason if phase is Phase.FAILED else None
         self.resumed.set()  # a scheduler waiting for a recovery wakes and sees the end
         self.arrived.set()  # ... or for a worker with room
         self._ended.set()
@@ -200,13 +203,16 @@ class Epoch:
             if flight.future is not None:
                 flight.future.cancel()
         self._decide_backend_fate()
-        self.host.epoch_ended(self)
+        host = self._host_ref()  # None: the loader went first (its iterator freed by the GC)
+        if host is not None:
+            host.epoch_ended(self)
         if loop is None:
             return True  # never started: nothing to release
         self._cleanup_task = loop.create_task(
             self._cleanup(), name=f"aioloader-cleanup:{self.epoch_no}"
         )
-        self.host.track_cleanup(self._cleanup_task)
+        if host is not None:
+            host.track_cleanup(self._cleanup_task)
         return True
 
     async def _guard(self) -> None:
@@ -249,6 +255,10 @@ class Epoch:
         """
         if self.backend is None or self.owns_backend:
             return
+        host = self._host_ref()
+        if host is None:  # the loader is gone (its __del__ stops the pool): no next epoch
+            self.owns_backend = True
+            return
         healthy = self.phase is Phase.FINISHED or (
             self.phase is Phase.ENDED and self._ended_from is Phase.RUNNING
         )
@@ -257,10 +267,10 @@ class Epoch:
             # not inherit it. (A start failing later is reported to the next epoch by watch().)
             healthy = False
         if healthy:
-            self.host.pool_kept(busy=bool(self.in_flight))
+            host.pool_kept(busy=bool(self.in_flight))
             self.backend = None  # the loader keeps it
         else:
-            self.host.pool_retired(self.backend)
+            host.pool_retired(self.backend)
             self.owns_backend = True
 
     def _worker_died(self) -> bool:
@@ -315,6 +325,9 @@ class Epoch:
         self.backend, self.owns_backend = None, False
         if backend is not None and owned:
             graceful = self.phase is Phase.FINISHED and not self.in_flight
+            abandon = getattr(backend, "abandon_stuck_calls", None)
+            if isinstance(self.failure, LoaderTimeoutError) and abandon is not None:
+                abandon()  # a thread stuck in the dataset is not waited for (docs/errors.md)
             await backend.shutdown(graceful=graceful)
 
     async def wait_cleanup(self) -> None:

@@ -74,18 +74,27 @@ async def run_off_loop(
 
 
 async def release_threads(
-    executors: Sequence[ThreadPoolExecutor], what: str, bound_s: float = JOIN_BOUND_S
+    executors: Sequence[ThreadPoolExecutor], what: str, bound_s: float | None = None
 ) -> None:
-    """Drop the executors' queued calls and wait, at most ``bound_s``, for their threads to end.
+    """Drop the executors' queued calls and wait for their threads to end: for as long as the
+    calls they are in take, or, with ``bound_s`` (after a ``timeout``), at most that long.
 
     A thread inside a dataset's ``__getitem__`` cannot be interrupted: one still in a call after
-    ``bound_s`` (a stuck read after a ``timeout``) is left to finish it in the background, with a
-    ``RuntimeWarning``; its result is dropped, and the interpreter waits for it at exit.
+    ``bound_s`` (a stuck read) is left to finish it in the background, with a ``RuntimeWarning``;
+    its result is dropped, and the interpreter waits for it at exit.
     """
     threads: list[threading.Thread] = []
     for ex in executors:
         ex.shutdown(wait=False, cancel_futures=True)
         threads += list(getattr(ex, "_threads", ()))
+    if bound_s is None:
+
+        def join() -> None:
+            for t in threads:
+                t.join()
+
+        await run_off_loop(join, name="loading-join")
+        return
     deadline = time.monotonic() + bound_s
     # Polled on the loop: a helper thread joining them would itself be left behind on a timeout.
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:  # noqa: ASYNC110

@@ -40,7 +40,7 @@ from torch.utils.data._utils import worker as torch_worker
 from . import _worker
 from ._backend import Backend, Direct
 from ._executor import CrashReport
-from ._threads import release_threads
+from ._threads import JOIN_BOUND_S, release_threads
 
 __all__ = ("ThreadWorkers", "install_thread_info")
 
@@ -162,6 +162,7 @@ class ThreadWorkers:
         self._pinned = pinned
         self._next_id = 0
         self._id_lock = threading.Lock()
+        self._join_bound_s: float | None = None
         if pinned:
             self._executors = [
                 ThreadPoolExecutor(
@@ -279,7 +280,11 @@ class ThreadWorkers:
 
     async def shutdown(self, *, graceful: bool) -> None:
         """Drop queued batches and join the threads (a stuck call is waited for only a moment)."""
-        await release_threads(self._executors, 'worker (executor="thread")')
+        await release_threads(self._executors, 'worker (executor="thread")', self._join_bound_s)
+
+    def abandon_stuck_calls(self) -> None:
+        """The epoch timed out: calls still running at shutdown are waited for only a moment."""
+        self._join_bound_s = JOIN_BOUND_S
 
     def kill_sync(self) -> None:
         # Threads cannot be killed: queued batches are dropped and each thread exits once the

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,19 @@ except ImportError:  # pragma: no cover - the dev extra installs it
     pass
 else:
     LOOP_FACTORIES["uvloop"] = _uvloop.new_event_loop
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the test process a terminal's ^C, whatever started it.
+
+    A shell starts a background job (``cmd &``, ``nohup``, a CI runner's detached step) with
+    SIGINT ignored, and Python keeps an ignored SIGINT ignored, in this process and in every
+    child it starts: the tests that press ^C (on this process, on a script, on a process group)
+    would then interrupt nothing and wait out their timeouts. A handled signal is reset to the
+    default in a child at exec, so restoring Python's own handler here restores it there too.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_asyncio_loop_factories(
