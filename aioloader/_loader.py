@@ -442,7 +442,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             num_workers=workers,
             max_in_flight=prefetch * workers if prefetch is not None and workers > 0 else 1,
             in_order=bool(self.in_order),
-            timeout=float(timeout),
+            timeout=timeout,  # as given: torch says "after 1 seconds" for timeout=1
             batch_size=self.batch_size,
             drop_last=bool(self.drop_last),
             seeding=self.seeding,

@@ -248,6 +248,16 @@ async def test_timeout_raises_instead_of_waiting_forever() -> None:
         assert time.monotonic() - t0 < 3.0
 
 
+async def test_the_timeout_message_reads_as_torchs() -> None:
+    """torch formats the number as given: ``timeout=1`` says "after 1 seconds" (its own test
+    matches ``after \\d+ seconds``)."""
+    async with AsyncDataLoader(
+        datasets.SlowDataset(4, delay=3.0), num_workers=1, timeout=1
+    ) as loader:
+        with pytest.raises(LoaderTimeoutError, match=r"^DataLoader timed out after 1 seconds"):
+            await collect(loader)
+
+
 async def test_timeout_is_honoured_without_workers() -> None:
     # torch accepts timeout with num_workers=0 and then fails with an AssertionError.
     async with AsyncDataLoader(datasets.SlowDataset(2, delay=1.0), timeout=0.2) as loader:
