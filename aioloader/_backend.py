@@ -159,6 +159,7 @@ class ThreadBackend:
                 self._collate_fn,
                 self._drop_last,
                 extra.resume if extra is not None else None,
+                extra.shared_seed if extra is not None else None,
             )
         state: Any = None
         try:

@@ -83,6 +83,7 @@ class Epoch:
         progress: Progress,
         *,
         replay: bool = False,
+        shared_seed: int | None = None,
     ) -> None:
         #: The settings this epoch runs from, fixed when its ``async for`` began.
         self.plan = plan
@@ -93,6 +94,8 @@ class Epoch:
         self._host_ref = weakref.ref(host)
         self.epoch_no = epoch_no
         self.base_seed = base_seed
+        #: An ``IterDataPipe``'s seed for its random DataPipes this epoch (torch's shared seed).
+        self.shared_seed = shared_seed
         self.phase = Phase.CREATED
         # What the consumer received, for state_dict(); a resumed epoch starts past it.
         self.progress = progress

@@ -30,7 +30,14 @@ from multiprocessing.context import BaseContext
 from typing import Any, Generic, Literal, NamedTuple, NoReturn, Protocol, Self
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    IterDataPipe,
+    Sampler,
+)
 from typing_extensions import TypeVar
 
 from . import _resume as resume
@@ -243,6 +250,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._stream = stream
         self._torch = torch_loader
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
+        self._is_datapipe = isinstance(torch_loader.dataset, IterDataPipe)
         # Which worker loads a batch decides its random augmentations (each worker's RNG is one
         # stream seeded base_seed + worker_id). In order, batches go to workers round-robin as in
         # torch, so a fixed generator reproduces torch's batches exactly. in_order=False gives up
@@ -376,6 +384,19 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         pending, self._pending = self._pending, None
         progress = self._begin_progress(pending)
         start = progress.start
+        shared_seed: int | None = None
+        if self._is_datapipe:
+            # torch draws an IterDataPipe's shared seed every epoch (persistent workers too),
+            # before the workers' base seed.
+            if pending is not None and start.shared_seed is not None:
+                if self.generator is not None:  # advance the restored generator as it went
+                    torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+                shared_seed = start.shared_seed
+            else:
+                shared_seed = int(
+                    torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+                )
+                start.shared_seed = shared_seed
         if pending is not None and start.base_seed is not None:
             # Resuming: the interrupted epoch's seed. If it was drawn from `generator`, draw again
             # (and discard) so the generator, restored to the epoch's start, advances as it did.
@@ -396,6 +417,16 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             if persistent:
                 self._persistent_seed = base_seed
         start.base_seed = base_seed
+        if (
+            shared_seed is not None
+            and plan.num_workers > 0
+            and start.seed_drawn
+            and (pending is None or self.generator is not None)
+        ):
+            # torch's multi-worker iterator draws the shared seed once more as it starts (for the
+            # main process's copy of the DataPipe only): drawn and dropped here, so the generator
+            # (and the next epochs' seeds) advance exactly as under torch.
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         if start.global_rng is None:
             # What the sampler will draw from if it uses the global RNG (a custom sampler records
             # it again, just before its iter()).
@@ -412,6 +443,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             base_seed,
             progress,
             replay=pending is not None,
+            shared_seed=shared_seed,
         )
         if pending is not None and self._is_iterable:
             epoch.resume_states = dict(progress.worker_states)

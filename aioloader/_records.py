@@ -50,12 +50,15 @@ class Flight(NamedTuple):
     seed: int | None = None
     #: An iterable worker's first batch of a resumed epoch: the dataset state to load first.
     resume: Any = None
+    #: An ``IterDataPipe``'s shared seed for the epoch (sent with every batch: any worker, a
+    #: replacement after a crash included, may start its epoch's iterator with this one).
+    shared_seed: int | None = None
 
     def task(self) -> Any:
         """What the backend is given as the indices."""
-        if self.seed is None and self.resume is None:
+        if self.seed is None and self.resume is None and self.shared_seed is None:
             return self.indices
-        return Extra(self.indices, self.seed, self.resume)
+        return Extra(self.indices, self.seed, self.resume, self.shared_seed)
 
 
 class StreamInput:

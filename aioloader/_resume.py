@@ -110,6 +110,8 @@ class Start:
     #: Generator states at the epoch's start, by role ("loader", "sampler").
     generators: dict[str, torch.Tensor | str] = field(default_factory=dict)
     base_seed: int | None = None
+    #: An ``IterDataPipe``'s shared seed for the epoch (drawn before ``base_seed``, as torch does).
+    shared_seed: int | None = None
     #: The epoch drew ``base_seed`` (persistent workers draw it only for their first epoch).
     seed_drawn: bool = False
     #: A stock RandomSampler without a generator: the seed it drew from the global RNG.
@@ -141,6 +143,7 @@ class Start:
         return {
             "generators": dict(self.generators),
             "base_seed": self.base_seed,
+            "shared_seed": self.shared_seed,
             "seed_drawn": self.seed_drawn,
             "sampler_seed": self.sampler_seed,
             "global_rng": self.global_rng,
@@ -153,6 +156,7 @@ class Start:
         return cls(
             generators=dict(d.get("generators") or {}),
             base_seed=d.get("base_seed"),
+            shared_seed=d.get("shared_seed"),
             seed_drawn=bool(d.get("seed_drawn", False)),
             sampler_seed=d.get("sampler_seed"),
             global_rng=d.get("global_rng"),

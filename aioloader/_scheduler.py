@@ -40,6 +40,7 @@ class SubmitSide(Protocol):
     plan: Plan
     epoch_no: int
     base_seed: int
+    shared_seed: int | None
     progress: Progress
     replay: bool
     resume_states: dict[int, Any]
@@ -134,7 +135,7 @@ async def run_scheduler(epoch: SubmitSide) -> None:
                     number = k * workers + wid
                 seed = batch_seed(epoch.base_seed, progress.epoch, number)
             state = pending.pop(wid, None) if pending and wid is not None else None
-            epoch.in_flight[send_idx] = Flight(indices, wid, None, seed, state)
+            epoch.in_flight[send_idx] = Flight(indices, wid, None, seed, state, epoch.shared_seed)
             epoch.submit(send_idx)
             send_idx += 1
         epoch.reorder.close(send_idx)

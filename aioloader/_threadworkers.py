@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.utils.data import _DatasetKind
+from torch.utils.data import IterDataPipe, _DatasetKind, graph_settings
 from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import worker as torch_worker
 
@@ -116,8 +116,10 @@ def _default_collate_in_thread(batch: Any) -> Any:
 class _ThreadState:
     """One worker thread's own state (kept in the thread-local :data:`_local`)."""
 
-    def __init__(self, worker_id: int) -> None:
+    def __init__(self, worker_id: int, dataset: Any) -> None:
         self.worker_id = worker_id
+        #: The dataset this thread loads from: the shared one, or its own copy of a DataPipe.
+        self.dataset = dataset
         self.fetcher: Any = None
         self.epoch = -1
         self.init_error: _worker.RemoteError | None = None
@@ -189,10 +191,28 @@ class ThreadWorkers:
             with self._id_lock:
                 fixed_id = self._next_id
                 self._next_id += 1
-        state = _ThreadState(fixed_id)
+        state = _ThreadState(fixed_id, self._dataset)
         _local.state = state
         seed = self._base_seed + fixed_id
-        _local.info = self._info(fixed_id, seed)
+        try:
+            if isinstance(self._dataset, IterDataPipe):
+                # An IterDataPipe allows one live iterator at a time, and its sharding_filter
+                # splits the stream by worker: each thread iterates its own copy, sharded as a
+                # process worker's pickled copy is.
+                with _worker.DATAPIPE_GRAPH_LOCK:
+                    state.dataset = copy.deepcopy(self._dataset)
+                    graph_settings.apply_sharding(
+                        state.dataset,
+                        self.num_workers * self._world_size,
+                        fixed_id * self._world_size + self._rank,
+                    )
+        except BaseException:
+            state.init_error = _worker.RemoteError.capture(
+                f"in DataLoader worker thread {fixed_id} while copying the IterDataPipe"
+            )
+        _local.info = self._info(fixed_id, seed, state.dataset)
+        if state.init_error is not None:
+            return
         try:
             if self._worker_init_fn is not None:
                 self._worker_init_fn(fixed_id)
@@ -201,12 +221,12 @@ class ThreadWorkers:
                 f"in DataLoader worker thread {fixed_id}"
             )
 
-    def _info(self, worker_id: int, seed: int) -> Any:
+    def _info(self, worker_id: int, seed: int, dataset: Any) -> Any:
         return _worker.make_worker_info(
             id=worker_id,
             num_workers=self.num_workers,
             seed=seed,
-            dataset=self._dataset,
+            dataset=dataset,
             rng=_make_rng(seed),
             worker_method="thread",
             rank=self._rank,
@@ -231,7 +251,7 @@ class ThreadWorkers:
             if extra.seed is not None:
                 # seeding="batch": this thread's info and generators get the batch's seed. The
                 # process-wide RNGs belong to the main program and every thread: untouched.
-                _local.info = self._info(wid, extra.seed)
+                _local.info = self._info(wid, extra.seed, state.dataset)
         iterable = self._kind == _DatasetKind.Iterable
         data: object
         saved: Any = None
@@ -242,16 +262,17 @@ class ThreadWorkers:
                 state.fetcher = None
                 state.fetcher = _worker.make_fetcher(
                     iterable,
-                    self._dataset,
+                    state.dataset,
                     self._auto_collation,
                     self._collate_fn,
                     self._drop_last,
                     extra.resume if extra is not None else None,
+                    extra.shared_seed if extra is not None else None,
                 )
             try:
                 if isinstance(indices, _worker.Samples):  # an async source's samples
                     data = Direct(
-                        self._dataset.collate(indices, self._collate_fn, self._auto_collation)
+                        state.dataset.collate(indices, self._collate_fn, self._auto_collation)
                     )
                 else:
                     data = Direct(state.fetcher.fetch(indices))
@@ -259,11 +280,11 @@ class ThreadWorkers:
                 if not iterable:
                     raise
                 data = _worker.Exhausted(wid)
-                saved = copy.deepcopy(_worker.capture_end_state(self._dataset))
+                saved = copy.deepcopy(_worker.capture_end_state(state.dataset))
             else:
                 if iterable:
                     # A copy: the iterator goes on changing its state after this batch.
-                    saved = copy.deepcopy(_worker.capture_state(state.fetcher, self._dataset))
+                    saved = copy.deepcopy(_worker.capture_state(state.fetcher, state.dataset))
         except BaseException:
             where = f"in DataLoader worker thread {wid} while loading batch send_idx={send_idx}"
             data = _worker.RemoteError.capture(where)

@@ -197,6 +197,8 @@ class Extra(NamedTuple):
     seed: int | None = None
     #: Iterable datasets resuming: ``(target, state)`` to load before this worker's first batch.
     resume: Any = None
+    #: An ``IterDataPipe``: the epoch's shared seed for its random DataPipes (shufflers).
+    shared_seed: int | None = None
 
 
 def seed_all(seed: int) -> None:
@@ -229,6 +231,11 @@ def capture_end_state(dataset: Any) -> Any:
     return None
 
 
+#: Walking a DataPipe graph (to seed, shard or copy it) swaps class-wide pickling hooks, so two
+#: threads doing it at once break each other's walk: thread workers hold this while they do.
+DATAPIPE_GRAPH_LOCK = threading.Lock()
+
+
 def make_fetcher(
     iterable: bool,
     dataset: Any,
@@ -236,13 +243,22 @@ def make_fetcher(
     collate_fn: Any,
     drop_last: bool,
     resume: Any = None,
+    shared_seed: int | None = None,
 ) -> Any:
     """torch's fetcher for the dataset kind; an iterable one after loading ``resume`` (a
-    :func:`capture_state` value) into the dataset or into its new iterator."""
+    :func:`capture_state` value) into the dataset or into its new iterator, and, for an
+    ``IterDataPipe``, after seeding its random DataPipes with the epoch's ``shared_seed``."""
     if not iterable:
         return _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
             _DatasetKind.Map, dataset, auto_collation, collate_fn, drop_last
         )
+    if shared_seed is not None and isinstance(dataset, IterDataPipe):
+        # As torch does in every worker and in the main process: one seed per epoch, the same in
+        # every worker, so a shuffler orders the whole stream once and sharding splits that order.
+        rng = torch.Generator()
+        rng.manual_seed(shared_seed)
+        with DATAPIPE_GRAPH_LOCK:
+            graph_settings.apply_random_seed(dataset, rng)
     if resume is not None and resume[0] == "dataset":
         dataset.load_state_dict(resume[1])  # before iter(): the new iterator starts from it
     fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
@@ -641,6 +657,7 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
                     _state.collate_fn,
                     spec.drop_last,
                     extra.resume if extra is not None else None,
+                    extra.shared_seed if extra is not None else None,
                 )
             try:
                 batch = _state.fetcher.fetch(indices)

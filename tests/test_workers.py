@@ -238,6 +238,46 @@ async def test_a_datapipes_sharding_filter_splits_the_data_between_workers(
     assert got == list(range(10))
 
 
+def _torch_epochs(make: Any, epochs: int, **kwargs: Any) -> list[list[list[int]]]:
+    g = torch.Generator()
+    g.manual_seed(7)
+    loader = torch.utils.data.DataLoader(make(), generator=g, **kwargs)
+    return [[b.tolist() for b in loader] for _ in range(epochs)]
+
+
+def _shuffled_pipe() -> Any:
+    import torch.utils.data.datapipes as dp
+
+    return dp.iter.IterableWrapper(list(range(20))).shuffle().sharding_filter()
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "persistent", "executor"),
+    [(0, False, "process"), (2, False, "process"), (2, True, "process"), (2, False, "thread")],
+)
+async def test_a_datapipes_shuffle_is_seeded_each_epoch_as_torchs(
+    num_workers: int, persistent: bool, executor: str
+) -> None:
+    """torch seeds an IterDataPipe's shufflers from the loader's generator every epoch, with one
+    seed shared by all workers (a shuffle that differed per worker would deal a sample to two
+    shards or none): the same generator gives the same batches here, epoch after epoch."""
+    kwargs: dict[str, Any] = {
+        "batch_size": 4,
+        "num_workers": num_workers,
+        "persistent_workers": persistent,
+    }
+    expected = _torch_epochs(_shuffled_pipe, 3, **kwargs)
+    assert expected[0] != expected[1]  # the shuffle is reseeded: a real test of the seeding
+    g = torch.Generator()
+    g.manual_seed(7)
+    loader = AsyncDataLoader(_shuffled_pipe(), generator=g, executor=executor, **kwargs)
+    async with loader, asyncio.timeout(120):
+        got = [[b.tolist() async for b in loader] for _ in range(3)]
+    assert got == expected
+    for epoch in got:
+        assert sorted(x for batch in epoch for x in batch) == list(range(20))
+
+
 class _RefilledBuffer(torch.utils.data.Dataset[torch.Tensor]):
     """Returns one tensor, refilled in place for every sample: safe in torch's single-process
     loader, which loads only inside next()."""
