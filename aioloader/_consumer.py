@@ -151,6 +151,9 @@ class Consumer:
                 pin_memory=plan.pin_memory,
                 device=plan.device,
                 pin_memory_device=plan.pin_memory_device,
+                # No worker processes to leave cores to: pin with all of this process's threads,
+                # as torch pins on its main thread with num_workers=0.
+                pin_threads=torch.get_num_threads() if plan.num_workers == 0 else 1,
             )
         if not stage.active:
             return
