@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextlib
 import copy
 import enum
 import functools
 import logging
+import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -187,12 +189,16 @@ class DeviceStage:
             # "cuda" means the current device of the thread that starts the loader, as in torch.
             self._cuda_index = torch.cuda.current_device() if index is None else index
             self._consumer_stream = torch.cuda.current_stream(self._cuda_index)
+        # Read before the device thread exists: a thread's first look at its intra-op thread
+        # count takes the process's current default, which the device thread is about to change.
+        threads = torch.get_num_threads()
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix=_THREAD_NAME_PREFIX, initializer=self._init_thread
         )
         # ThreadPoolExecutor creates its thread on the first submit; do that now so CUDA set-up on
         # the thread overlaps the loader's start rather than delaying the first batch.
-        self._pool.submit(_noop)
+        ready = self._pool.submit(_noop)
+        ready.add_done_callback(functools.partial(_restore_default_threads, threads))
         _logger.debug(
             "device stage started (device=%s, pin=%s)", self._device, self._pin_device_type
         )
@@ -271,6 +277,9 @@ class DeviceStage:
             # As torch's pin-memory thread (1 beside worker processes): a per-thread setting
             # under OpenMP that keeps the host-side copy into pinned memory from taking every
             # core from the workers.
+            # A thread's first use of torch's thread pool sets its count from the process
+            # default (which _restore_default_threads puts back); done first, it cannot undo ours.
+            torch.get_num_threads()
             torch.set_num_threads(self._pin_threads)
             if self._cuda_index is not None:
                 torch.cuda.set_device(self._cuda_index)  # the current device is per thread
@@ -305,6 +314,26 @@ class DeviceStage:
 
 def _noop() -> None:
     pass
+
+
+def _restore_default_threads(threads: int, _ready: object) -> None:
+    """Give threads started later the intra-op thread count they had before the device thread.
+
+    ``torch.set_num_threads`` on the device thread also becomes the count that every thread
+    started afterwards begins with (and that a thread which never used torch's thread pool yet
+    picks up): a training step run through ``asyncio.to_thread`` would have run on one core. A
+    call from any thread but the device thread puts the default back without touching the
+    device thread's own count; this runs on a short-lived helper thread, once the device thread
+    has set its own. torch's pin-memory thread leaves the default changed.
+    """
+
+    def restore() -> None:
+        with contextlib.suppress(Exception):  # best effort: the loader works either way
+            torch.set_num_threads(threads)
+
+    helper = threading.Thread(target=restore, name="aioloader-device-threads")
+    helper.start()
+    helper.join()
 
 
 def _validate_device(device: object) -> torch.device | None:

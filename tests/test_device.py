@@ -537,3 +537,37 @@ async def test_cuda_no_corruption_when_the_consumer_frees_batches_at_once(
         got = await asyncio.to_thread(lambda: torch.stack(seen).cpu())
     want = torch.arange(20, dtype=torch.float32).repeat_interleave(2).view(20, 2)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("fake_accelerator")
+async def test_the_device_threads_count_does_not_become_every_later_threads(
+    stages: Callable[..., DeviceStage],
+) -> None:
+    """torch.set_num_threads on the device thread is also the count threads started later begin
+    with: a training step run through asyncio.to_thread afterwards must keep the process's."""
+    before = torch.get_num_threads()
+    assert before > 1, "needs a machine where torch uses more than one thread"
+    seen: dict[str, int] = {}
+
+    @dataclasses.dataclass
+    class Probe(Item):
+        def pin_memory(self) -> Item:
+            seen["device thread"] = torch.get_num_threads()
+            return super().pin_memory()
+
+    stage = stages(pin_memory=True, device=None)  # pins with one thread, as torch's
+    stage.start()
+    async with asyncio.timeout(10):
+        await stage.process(Probe(1))
+        # A thread started after the device thread set its own count, as to_thread's may be.
+        seen["later thread"] = await asyncio.to_thread(_count_on_a_new_thread)
+    assert seen == {"device thread": 1, "later thread": before}
+    assert torch.get_num_threads() == before
+
+
+def _count_on_a_new_thread() -> int:
+    out: list[int] = []
+    thread = threading.Thread(target=lambda: out.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return out[0]
