@@ -33,6 +33,7 @@ from ._device import DeviceStage
 from ._errors import AioLoaderError, EpochEndedError, LoaderTimeoutError, WorkerCrashedError
 from ._phase import Phase
 from ._records import Counters, Failure, Plan
+from ._tasks import start_task
 
 if TYPE_CHECKING:
     from ._reorder import ReorderBuffer
@@ -161,8 +162,10 @@ class Consumer:
         stage.start()
         self._stage = stage
         self._slots = asyncio.Semaphore(plan.device_prefetch)
-        self._feed_task = asyncio.get_running_loop().create_task(
-            self._feed(stage), name=f"aioloader-device-feed:{self._epoch.epoch_no}"
+        self._feed_task = start_task(
+            asyncio.get_running_loop(),
+            self._feed(stage),
+            name=f"aioloader-device-feed:{self._epoch.epoch_no}",
         )
 
     def on_end(self, reason: BaseException | None) -> None:

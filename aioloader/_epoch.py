@@ -49,6 +49,7 @@ from ._reorder import ReorderBuffer
 from ._resume import Progress
 from ._scheduler import run_scheduler
 from ._stream import Acks, run_stream_scheduler
+from ._tasks import start_task
 
 __all__ = ("Epoch", "Phase")
 
@@ -211,8 +212,8 @@ class Epoch:
             host.epoch_ended(self)
         if loop is None:
             return True  # never started: nothing to release
-        self._cleanup_task = loop.create_task(
-            self._cleanup(), name=f"aioloader-cleanup:{self.epoch_no}"
+        self._cleanup_task = start_task(
+            loop, self._cleanup(), name=f"aioloader-cleanup:{self.epoch_no}"
         )
         if host is not None:
             host.track_cleanup(self._cleanup_task)
@@ -353,11 +354,11 @@ class Epoch:
             self.started_at = time.perf_counter()
             self.counters.note_request(self.started_at)
             self._to(Phase.STARTING)
-            self._guard_task = self.loop.create_task(
-                self._guard(), name=f"aioloader-guard:{self.epoch_no}"
+            self._guard_task = start_task(
+                loop, self._guard(), name=f"aioloader-guard:{self.epoch_no}"
             )
-            self._start_task = self.loop.create_task(
-                self._start(), name=f"aioloader-start:{self.epoch_no}"
+            self._start_task = start_task(
+                loop, self._start(), name=f"aioloader-start:{self.epoch_no}"
             )
         if not self._start_task.done():
             await asyncio.shield(self._start_task)
@@ -379,8 +380,8 @@ class Epoch:
         loop = asyncio.get_running_loop()
         self._to(Phase.RUNNING)
         schedule = run_scheduler if self.plan.stream is None else run_stream_scheduler
-        self._sched_task = loop.create_task(
-            schedule(self), name=f"aioloader-scheduler:{self.epoch_no}"
+        self._sched_task = start_task(
+            loop, schedule(self), name=f"aioloader-scheduler:{self.epoch_no}"
         )
         self.consumer.start()
 

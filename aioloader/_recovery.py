@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ._errors import PoisonBatchError, WorkerCrashedError, emfile_error
 from ._executor import CrashReport
 from ._phase import Phase
+from ._tasks import start_task
 from ._threads import run_off_loop
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class Recovery:
             return
         ep._to(Phase.RECOVERING)
         loop = asyncio.get_running_loop()
-        self.task = loop.create_task(self._run(), name=f"aioloader-recovery:{ep.epoch_no}")
+        self.task = start_task(loop, self._run(), name=f"aioloader-recovery:{ep.epoch_no}")
 
     async def _run(self) -> None:
         ep = self._epoch

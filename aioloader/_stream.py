@@ -42,6 +42,7 @@ from ._records import Failure, Flight, StreamInput
 from ._resume import batch_seed
 from ._sampling import IndexStream
 from ._scheduler import SubmitSide
+from ._tasks import start_task
 from ._worker import Samples
 
 __all__ = ("Acks", "run_stream_scheduler", "source_kind", "user_error")
@@ -276,7 +277,7 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
     # At most one window's worth read ahead of the open window: the backpressure bound.
     reading = _Reader(stream.source, size)
     buffer = reading.buffer
-    reader = loop.create_task(reading.run(), name="aioloader-source-reader")
+    reader = start_task(loop, reading.run(), name="aioloader-source-reader")
     send_idx = 0
     try:
         while True:
@@ -355,7 +356,8 @@ async def _run_map(epoch: StreamSide, stream: StreamInput) -> None:
                 epoch.reorder.put(send_idx, Failure(exc))
                 send_idx += 1
                 break
-            task = loop.create_task(
+            task = start_task(
+                loop,
                 _fetch_and_submit(epoch, stream, send_idx, indices, wid, calls),
                 name=f"aioloader-source-fetch:{send_idx}",
             )

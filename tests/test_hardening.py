@@ -811,7 +811,13 @@ async def test_iterator_garbage_collected_on_another_thread_still_releases_every
 ) -> None:
     """r21: an epoch iterator held by a reference cycle is freed by the cyclic GC on whatever
     thread allocates (the executor's thread unpickles every batch). After ``aclose()`` no
-    ``aioloader-*`` thread and no worker process is left."""
+    ``aioloader-*`` thread and no worker process is left, and no task of the epoch was destroyed
+    while pending: the loop holds tasks weakly, so a collection that found the whole epoch
+    unreachable closed its coroutines on that thread (its cleanup never ran; aclose() returned
+    with the loading thread still alive, seen under load)."""
+    destroyed: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: destroyed.append(str(ctx.get("message"))))
     before, threads_before = worker_processes(), thread_idents()
     loader = AsyncDataLoader(datasets.SlowDataset(100, 0.01), batch_size=2, num_workers=num_workers)
     refs: list[weakref.ref[Any]] = []
@@ -839,6 +845,7 @@ async def test_iterator_garbage_collected_on_another_thread_still_releases_every
     await close(loader)
     left = (loader_threads(threads_before), worker_processes() - before)
     assert left == ([], set()), f"left after aclose(): {left}"
+    assert destroyed == []
 
 
 # --------------------------------------------------- 22. interrupted epochs without async with
