@@ -256,10 +256,16 @@ class Lane:
         self._pump()
         return fut
 
-    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+    def serves(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether :meth:`submit` may run on ``loop``: not while another loop that watches the
+        lane runs (on another thread), whose callbacks would then share the lane's buffers."""
         old = self._loop
-        if old is not None and not old.is_closed():
-            raise RuntimeError("aioloader bug: one worker pool used from two event loops")
+        return old is None or old is loop or old.is_closed() or not old.is_running()
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        # A persistent pool kept from an earlier event loop (consecutive asyncio.run() calls, or
+        # a loop that is open but stopped): move over, unregistering from it while it is idle.
+        self.detach()
         # Non-blocking: the loop must never wait for the worker. Our ends only; the worker's
         # ends are other open files (a pipe's two ends are).
         os.set_blocking(self.call_w.fileno(), False)
@@ -375,13 +381,14 @@ class Lane:
         """Stop watching the pipes. Runs in: the event loop, or any thread while it is not
         running."""
         loop, self._loop = self._loop, None
+        writing, self._writing = self._writing, False
         if loop is None or loop.is_closed():
             return
         with contextlib.suppress(Exception):  # closed meanwhile
             loop.remove_reader(self.result_r.fileno())
-            if self._writing:
+        if writing:
+            with contextlib.suppress(Exception):
                 loop.remove_writer(self.call_w.fileno())
-        self._writing = False
 
     # -------------------------------------------------------------------- any thread
 
@@ -637,7 +644,10 @@ class Executor(ProcessPoolExecutor):
                 raise _process.BrokenProcessPool(self._broken)
             if self._shutdown_thread:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            if _running_loop() is not None:
+            loop = _running_loop()
+            # Another thread's loop serving the lane right now: the executor's own path (the
+            # worker serves both; only tasks of the two paths are not ordered among themselves).
+            if loop is not None and lane.serves(loop):
                 return lane.submit(fn, args)
         return super().submit(fn, *args, **kwargs)
 
