@@ -418,11 +418,17 @@ class Epoch:
         self.in_flight[send_idx] = flight._replace(future=fut)
         loop = self.loop
         assert loop is not None
+        loop_thread = self.loop_thread
 
-        def done(f: Future[Any]) -> None:  # runs in: the executor's manager thread
-            # Unpickle here, not on the loop: receiving a shared-memory batch waits on a socket
-            # handshake with the worker, which a busy worker can delay by milliseconds.
+        def done(f: Future[Any]) -> None:
+            # Runs in: the loop (a pinned worker's lane, see _procpool.Lane), or the thread that
+            # completed the future (an executor's manager thread, a crash, Ray or thread workers).
+            # Unpickled where it arrives: a batch's descriptors are waiting on its worker's
+            # channel already (see _transport.FdChannel), so this does not wait for the worker.
             received = receive(f)
+            if threading.get_ident() == loop_thread:
+                loop.call_soon(self._on_done, send_idx, gen, f, received)
+                return
             with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
                 loop.call_soon_threadsafe(self._on_done, send_idx, gen, f, received)
 

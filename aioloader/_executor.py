@@ -401,6 +401,9 @@ class WorkerPool:
         return Executor(
             max_workers=n,
             mp_context=self._ctx,
+            # A pinned worker's batches and results travel over its lane (see _procpool.Lane),
+            # written and read by the event loop, never through the executor's threads.
+            lane=self._per_worker,
             initializer=_worker.init,
             initargs=(
                 spec,
@@ -474,6 +477,10 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
+        # Here, on the loop that watches the lanes: the thread below then closes their pipes
+        # at once (see _procpool.Lane.close).
+        for ex in self._executors:
+            ex.detach_lane()
         await run_off_loop(lambda: self._shutdown_sync(graceful), name="shutdown")
 
     def _capture_internals(self) -> None:

@@ -18,31 +18,44 @@ What it adds to the executor:
   CPython gh-107219 fixed on Python < 3.12.
 * :func:`quiet_fork_warning`: silence Python 3.12's multi-threaded ``fork()`` warning around our
   own process starts, without the thread-unsafe ``warnings.catch_warnings``.
+* :class:`Lane` (``Executor(lane=True)``, one process): tasks submitted on an event loop and
+  their results travel over two pipes that loop writes and reads itself, not through the
+  executor's manager and feeder threads (see the section comment above :class:`Lane`); the
+  worker serves them from its call queue's ``get()`` (:class:`_LaneCallQueue`).
 
 Private executor attributes used (present in CPython 3.11, 3.12 and 3.13): ``_processes``,
 ``_max_workers``, ``_spawn_process``, ``_start_executor_manager_thread``,
 ``_executor_manager_thread``, ``_executor_manager_thread_wakeup``, ``_shutdown_lock``,
-``_shutdown_thread``, ``_cancel_pending_futures``, ``_broken``, ``_result_queue``; and of its
-manager thread: ``terminate_broken``, ``_join_executor_internals`` (>= 3.12), ``processes``,
-``pending_work_items``, ``executor_reference``.
+``_shutdown_thread``, ``_cancel_pending_futures``, ``_broken``, ``_result_queue``,
+``_call_queue``, ``_max_tasks_per_child``, ``_mp_context``; of
+its manager thread: ``terminate_broken``, ``_join_executor_internals`` (>= 3.12), ``processes``,
+``pending_work_items``, ``executor_reference``; of the module: ``_process_worker``,
+``_ExceptionWithTraceback``, ``_SafeQueue`` (whose ``get()`` the worker loop calls).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
+import itertools
 import logging
 import os
+import pickle
 import re
+import select
 import signal
+import struct
 import sys
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import InvalidStateError, ProcessPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
 from concurrent.futures import process as _process
 from multiprocessing import synchronize, util
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -100,7 +113,20 @@ class _ManagerThread(_process._ExecutorManagerThread):
                 killed.add(p.pid)
                 p.kill()
 
+    #: The executor's :class:`Lane`, if it has one (set before the thread starts).
+    lane: Lane | None = None
+
     def terminate_broken(self, cause: Any) -> None:
+        lane = self.lane
+        if lane is not None:
+            # First: CPython joins the workers before it returns (forever for one that ignores
+            # SIGTERM on Python 3.11), and the lane's futures must not wait for that.
+            lane.fail(
+                _process.BrokenProcessPool(
+                    "A process in the process pool was terminated abruptly while the future "
+                    "was running or pending."
+                )
+            )
         if sys.version_info >= (3, 12):  # gh-107219 is fixed there
             super().terminate_broken(cause)
             return
@@ -116,6 +142,370 @@ class _ManagerThread(_process._ExecutorManagerThread):
                 continue
 
 
+# ----------------------------------------------------------------------------- the direct lane
+#
+# A one-process executor's tasks and results normally cross three threads of this process each
+# way: submit() wakes the manager thread, which puts the task on the call queue, whose feeder
+# thread pickles and writes it; the manager thread reads the result, completes the future, and
+# the owner's callback hands it to the event loop with call_soon_threadsafe. For small batches
+# those hops, not the worker, bound the rate (on a 2-core machine the threads also compete with
+# the workers for the cores and with the loop for the GIL).
+#
+# A lane is a second pair of pipes between the event loop and the worker, used instead: the loop
+# writes the pickled task into the call pipe itself (non-blocking; what does not fit waits for
+# the pipe to drain, through loop.add_writer) and reads the worker's results with
+# loop.add_reader, completing each future on the loop. The executor's own queues and manager
+# thread stay: the manager thread still watches the process (a death fails every future, the
+# lane's too, see _ManagerThread.terminate_broken) and still asks the worker to exit at shutdown.
+# Its frames are multiprocessing.Connection's own (a 4-byte big-endian length, -1 then 8 bytes
+# for 2 GiB and more), so the worker reads and writes them with Connection.recv_bytes/send_bytes.
+
+_FRAME = struct.Struct("!i")
+_FRAME_LONG = struct.Struct("!Q")
+_WORK_ID = struct.Struct("!q")
+
+# concurrent.futures.process's private helpers, the same in CPython 3.11-3.13 (untyped here).
+_private: Any = _process
+
+#: Tasks a lane keeps written ahead into its worker's pipe, as many as a one-process executor's
+#: call queue holds (max_workers + EXTRA_QUEUED_CALLS): the worker never waits for the next
+#: task, and a task further back can still be cancelled without ever reaching the worker.
+LANE_DEPTH = 2
+
+#: Bytes read from a result pipe per read (a pipe holds 64 KiB; one allocation under malloc's
+#: mmap threshold).
+_READ_SIZE = 1 << 16
+
+
+def _frame(payload: bytes) -> bytes:
+    n = len(payload)
+    if n > 0x7FFFFFFF:
+        return _FRAME.pack(-1) + _FRAME_LONG.pack(n) + payload
+    return _FRAME.pack(n) + payload
+
+
+class Lane:
+    """The event loop's direct pipes to one worker process (see the section comment above).
+
+    Owned by an :class:`Executor` made with ``lane=True``. :meth:`submit` runs on the event loop
+    only; :meth:`fail` on any thread. Every future it returns is completed exactly once: with the
+    worker's result, with the task's exception, with ``BrokenProcessPool`` when the pool breaks
+    or is killed, or cancelled while it still waits in this process.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self.call_r, self.call_w = ctx.Pipe(duplex=False)
+        self.result_r, self.result_w = ctx.Pipe(duplex=False)
+        # Guards the futures' hand-over between the loop and a thread that fails them all:
+        # whoever pops a future from _pending/_queued completes it.
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        # Written to the worker, result not read yet: work id -> future (set running).
+        self._pending: dict[int, Future[Any]] = {}
+        # Not written yet (more than LANE_DEPTH outstanding, or the worker not started yet).
+        self._queued: collections.deque[tuple[int, Future[Any], bytes]] = collections.deque()
+        self._out = bytearray()  # framed bytes not yet written to the call pipe
+        self._in = bytearray()  # bytes read from the result pipe, not yet a whole frame
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._writing = False
+        self._open = False  # the worker process exists: tasks may be written
+        self._broken: BaseException | None = None
+        self._closed = False
+
+    # -------------------------------------------------------------------- worker start-up
+
+    def worker_args(self) -> tuple[Connection, Connection]:
+        return self.call_r, self.result_w
+
+    def started(self) -> None:
+        """The worker process exists and holds its own copies of its ends: close ours, and
+        write what was queued for it (from the loop). Runs in: the thread that started it."""
+        for conn in (self.call_r, self.result_w):
+            with contextlib.suppress(OSError):
+                conn.close()
+        with self._lock:
+            self._open = True
+            loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to serve
+                loop.call_soon_threadsafe(self._pump)
+
+    # -------------------------------------------------------------------- the event loop side
+
+    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
+        """Queue ``fn(*args)`` for the worker. Runs in: the event loop (the one it serves).
+
+        Raises ``BrokenProcessPool`` once the pool broke and ``RuntimeError`` once closed, as
+        ``ProcessPoolExecutor.submit`` does; a task that cannot be pickled fails its future.
+        """
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._attach(loop)
+        fut: Future[Any] = Future()
+        try:
+            data = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # as the executor's feeder thread reports it: on the future
+            fut.set_exception(exc)
+            return fut
+        with self._lock:
+            if self._broken is not None:
+                raise _process.BrokenProcessPool(str(self._broken))
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._queued.append((next(self._ids), fut, data))
+        self._pump()
+        return fut
+
+    def serves(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether :meth:`submit` may run on ``loop``: not while another loop that watches the
+        lane runs (on another thread), whose callbacks would then share the lane's buffers."""
+        old = self._loop
+        return old is None or old is loop or old.is_closed() or not old.is_running()
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        # A persistent pool kept from an earlier event loop (consecutive asyncio.run() calls, or
+        # a loop that is open but stopped): move over, unregistering from it while it is idle.
+        self.detach()
+        # Non-blocking: the loop must never wait for the worker. Our ends only; the worker's
+        # ends are other open files (a pipe's two ends are).
+        os.set_blocking(self.call_w.fileno(), False)
+        os.set_blocking(self.result_r.fileno(), False)
+        self._writing = False
+        loop.add_reader(self.result_r.fileno(), self._on_readable)
+        with self._lock:  # started() reads it from the start thread
+            self._loop = loop
+        if self._out:
+            self._flush()
+
+    def _pump(self) -> None:
+        """Write queued tasks while fewer than LANE_DEPTH are with the worker. Runs in: loop."""
+        if self._loop is None or self._closed:
+            return
+        out = self._out
+        while True:
+            with self._lock:
+                if (
+                    not self._open
+                    or not self._queued
+                    or len(self._pending) >= LANE_DEPTH
+                    or self._broken is not None
+                ):
+                    break
+                work_id, fut, data = self._queued.popleft()
+                if not fut.set_running_or_notify_cancel():
+                    continue  # cancelled while it waited here: the worker never sees it
+                self._pending[work_id] = fut
+            out += _frame(_WORK_ID.pack(work_id) + data)
+        self._flush()
+
+    def _flush(self) -> None:
+        if not self._out or self._writing or self._loop is None:
+            return
+        try:
+            n = os.write(self.call_w.fileno(), self._out)
+        except BlockingIOError:
+            n = 0
+        except OSError:  # the worker is gone (EPIPE): its death is handled elsewhere
+            self._out.clear()
+            return
+        del self._out[:n]
+        if self._out:
+            # The rest once the worker has read some: frames stay whole and in order because
+            # only the loop ever writes to this pipe.
+            self._loop.add_writer(self.call_w.fileno(), self._on_writable)
+            self._writing = True
+
+    def _on_writable(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        loop.remove_writer(self.call_w.fileno())
+        self._writing = False
+        self._flush()
+
+    def _on_readable(self) -> None:
+        fd = self.result_r.fileno()
+        buf = self._in
+        for _ in range(64):  # at most 4 MiB per call: other callbacks get their turn
+            try:
+                chunk = os.read(fd, _READ_SIZE)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                # Every write end is closed: the worker is gone (its death is handled by the
+                # manager thread and the owner's sentinel watch, not here).
+                self.detach()
+                break
+            buf += chunk
+            if len(chunk) < _READ_SIZE:
+                break
+        frames: list[bytes] = []
+        pos, end = 0, len(buf)
+        while end - pos >= _FRAME.size:
+            (n,) = _FRAME.unpack_from(buf, pos)
+            head = _FRAME.size
+            if n == -1:
+                if end - pos < head + _FRAME_LONG.size:
+                    break
+                (n,) = _FRAME_LONG.unpack_from(buf, pos + head)
+                head += _FRAME_LONG.size
+            if end - pos - head < n:
+                break
+            frames.append(bytes(buf[pos + head : pos + head + n]))
+            pos += head + n
+        if pos:
+            del buf[:pos]
+        for frame in frames:
+            self._complete(frame)
+        if frames:
+            self._pump()
+
+    def _complete(self, frame: bytes) -> None:
+        (work_id,) = _WORK_ID.unpack_from(frame)
+        with self._lock:
+            fut = self._pending.pop(work_id, None)
+        if fut is None:
+            return  # failed meanwhile (the pool broke or was killed)
+        try:
+            exc, value = pickle.loads(memoryview(frame)[_WORK_ID.size :])
+        except Exception as err:  # a result that cannot be rebuilt here fails its task alone
+            fut.set_exception(err)
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    def detach(self) -> None:
+        """Stop watching the pipes. Runs in: the event loop, or any thread while it is not
+        running."""
+        loop, self._loop = self._loop, None
+        writing, self._writing = self._writing, False
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(Exception):  # closed meanwhile
+            loop.remove_reader(self.result_r.fileno())
+        if writing:
+            with contextlib.suppress(Exception):
+                loop.remove_writer(self.call_w.fileno())
+
+    # -------------------------------------------------------------------- any thread
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail every future not completed yet with ``exc``; later submits raise
+        ``BrokenProcessPool``. Runs in: any thread."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = exc
+            futures = [f for f in self._pending.values()] + [f for _, f, _ in self._queued]
+            self._pending.clear()
+            self._queued.clear()
+        for f in futures:
+            with contextlib.suppress(InvalidStateError):  # cancelled while it waited here
+                f.set_exception(exc)
+
+    def cancel_queued(self) -> None:
+        """Cancel the tasks not written to the worker yet, and take no more (shutdown with
+        ``cancel_futures=True``). Runs in: any thread."""
+        with self._lock:
+            self._closed = True
+            queued = [f for _, f, _ in self._queued]
+            self._queued.clear()
+        for f in queued:
+            f.cancel()
+
+    def close(self) -> None:
+        """After the worker is gone: cancel what waited here, fail what it had, stop watching
+        the pipes and close them. Runs in: any thread; safe to call twice."""
+        self.cancel_queued()
+        self.fail(_process.BrokenProcessPool("the worker pool was shut down"))
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and loop.is_running():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                # The loop's selector may be in use right now: unregister there, then close
+                # (a descriptor closed while registered could be reused and misrouted).
+                with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing to undo
+                    loop.call_soon_threadsafe(self._close_now)
+                    return
+        self._close_now()
+
+    def _close_now(self) -> None:
+        self.detach()
+        for conn in (self.call_r, self.call_w, self.result_r, self.result_w):
+            with contextlib.suppress(OSError):
+                conn.close()
+        self._out.clear()
+        self._in.clear()
+
+
+class _LaneCallQueue(_private._SafeQueue):  # type: ignore[misc]
+    """The call queue of an executor with a :class:`Lane`: in the worker, ``get()`` serves the
+    lane's tasks while it waits for the queue's next item.
+
+    CPython's worker loop (``_process_worker``) is kept as it is: it runs the initializer, then
+    calls ``get()`` for each item of the call queue, which carries only the shutdown request
+    (``None``) and tasks submitted with no running event loop. Lane tasks are taken first and
+    in order. The executor's own call queue object gets this class (``__class__`` is set once,
+    before any process starts), so its pipes, locks and feeder thread are the executor's own.
+    """
+
+    lane_in: Connection | None = None
+    lane_out: Connection | None = None
+
+    def __getstate__(self) -> Any:
+        return (super().__getstate__(), self.lane_in, self.lane_out)
+
+    def __setstate__(self, state: Any) -> None:
+        base, self.lane_in, self.lane_out = state
+        super().__setstate__(base)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """Runs in: a worker process."""
+        lane_in, lane_out = self.lane_in, self.lane_out
+        if lane_in is None or lane_out is None or not block or timeout is not None:
+            return super().get(block, timeout)
+        poller = select.poll()
+        lane_fd = lane_in.fileno()
+        poller.register(self._reader.fileno(), select.POLLIN)
+        poller.register(lane_fd, select.POLLIN)
+        while True:
+            ready = {fd for fd, _ in poller.poll()}
+            if lane_fd not in ready:
+                return super().get(True)
+            try:
+                data = lane_in.recv_bytes()
+            except EOFError:  # every copy of the loop's end is closed: the queue is left
+                self.lane_in = None
+                return super().get(True)
+            _run_lane_task(data, lane_out)
+            del data
+
+
+def _run_lane_task(data: bytes, lane_out: Connection) -> None:
+    """Run one lane task and send its result back, or the exception it raised (an exception
+    that cannot be pickled is replaced by the pickling error, as the executor does)."""
+    work_id = data[: _WORK_ID.size]
+    result: Any = None
+    exc: Any = None
+    try:
+        fn, args = pickle.loads(memoryview(data)[_WORK_ID.size :])
+        result = fn(*args)
+    except BaseException as e:
+        exc = _private._ExceptionWithTraceback(e, e.__traceback__)
+    try:
+        payload = pickle.dumps((exc, result), protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException as e:
+        exc = _private._ExceptionWithTraceback(e, e.__traceback__)
+        payload = pickle.dumps((exc, None), protocol=pickle.HIGHEST_PROTOCOL)
+    del result
+    lane_out.send_bytes(work_id + payload)
+
+
 class Executor(ProcessPoolExecutor):
     """A ``ProcessPoolExecutor`` that starts all its processes at once and stops without hanging.
 
@@ -124,16 +514,33 @@ class Executor(ProcessPoolExecutor):
     the owner replaces the whole pool).
 
     ``sigterm_grace``: see :class:`_ManagerThread`; None keeps CPython's wait without end.
+
+    ``lane=True`` (one process only): tasks submitted from a running event loop travel over a
+    :class:`Lane`, written and read by that loop, and never through the executor's threads; the
+    worker takes them in submission order. Submitted anywhere else they take the executor's own
+    path. The manager thread still watches the process and stops it.
     """
 
     def __init__(
-        self, *args: Any, sigterm_grace: float | None = SIGTERM_GRACE_S, **kwargs: Any
+        self,
+        *args: Any,
+        sigterm_grace: float | None = SIGTERM_GRACE_S,
+        lane: bool = False,
+        **kwargs: Any,
     ) -> None:
         _alive.add(self)
+        self._lane: Lane | None = None
         # The queues' semaphores start multiprocessing's resource tracker (spawn, forkserver),
         # a process of its own that a ^C must not interrupt in its start-up either.
         with _sigint_blocked():
             super().__init__(*args, **kwargs)
+        if lane:
+            if self._max_workers != 1 or self._max_tasks_per_child is not None:  # type: ignore[attr-defined]
+                raise ValueError("a lane serves an executor of one process, never replaced")
+            self._lane = Lane(self._mp_context)
+            queue: Any = self._call_queue  # type: ignore[attr-defined]
+            queue.__class__ = _LaneCallQueue
+            queue.lane_in, queue.lane_out = self._lane.worker_args()
         self._sigterm_grace = sigterm_grace
         #: Workers the manager thread SIGKILLed because they outlived its SIGTERM.
         self.killed_pids: set[int] = set()
@@ -162,6 +569,8 @@ class Executor(ProcessPoolExecutor):
         with quiet_fork_warning(), _sigint_blocked(), _forking(self):
             while len(self._processes) < target:
                 self._spawn_process()  # type: ignore[attr-defined]
+        if self._lane is not None and self._processes:
+            self._lane.started()
 
     def start_manager(self) -> None:
         """The second half of :meth:`start_workers`: the manager thread, which takes the tasks
@@ -216,19 +625,41 @@ class Executor(ProcessPoolExecutor):
         """One worker process, started, not yet one of the executor's (CPython's
         ``_spawn_process`` without the registration; the same in 3.11, 3.12 and 3.13)."""
         ctx: Any = self._mp_context
-        p: BaseProcess = ctx.Process(
-            target=_process._process_worker,
-            args=(
-                self._call_queue,  # type: ignore[attr-defined]
-                self._result_queue,
-                self._initializer,
-                self._initargs,
-                self._max_tasks_per_child,  # type: ignore[attr-defined]
-            ),
+        args = (
+            self._call_queue,  # type: ignore[attr-defined]
+            self._result_queue,
+            self._initializer,
+            self._initargs,
+            self._max_tasks_per_child,  # type: ignore[attr-defined]
         )
+        p: BaseProcess = ctx.Process(target=_process._process_worker, args=args)
         with _sigint_blocked(), _forking(self):
             p.start()
         return p
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        lane = self._lane
+        if lane is not None and not kwargs:
+            if self._broken:
+                raise _process.BrokenProcessPool(self._broken)
+            if self._shutdown_thread:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            loop = _running_loop()
+            # Another thread's loop serving the lane right now: the executor's own path (the
+            # worker serves both; only tasks of the two paths are not ordered among themselves).
+            if loop is not None and lane.serves(loop):
+                return lane.submit(fn, args)
+        return super().submit(fn, *args, **kwargs)
+
+    def detach_lane(self) -> None:
+        """Stop the event loop watching the lane's pipes. Runs in: that loop."""
+        if self._lane is not None:
+            self._lane.detach()
+
+    def close_lane(self) -> None:
+        """Once the worker is gone: fail what the lane still had, close its pipes."""
+        if self._lane is not None:
+            self._lane.close()
 
     def _adjust_process_count(self) -> None:
         # CPython starts a process here, on the thread calling submit() (the event loop), when no
@@ -246,6 +677,7 @@ class Executor(ProcessPoolExecutor):
                 with _sigint_blocked(), _forking(self):
                     self._launch_processes()
             thread = _ManagerThread(self)
+            thread.lane = self._lane
             self._executor_manager_thread = thread
             thread.start()
             _process._threads_wakeups[thread] = self._executor_manager_thread_wakeup
@@ -263,6 +695,8 @@ class Executor(ProcessPoolExecutor):
         for item in items:
             with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
                 item.future.set_exception(_process.BrokenProcessPool(self._broken))
+        if self._lane is not None:
+            self._lane.fail(_process.BrokenProcessPool(self._broken))
 
     def close_unstarted(self) -> None:
         """Release an executor whose workers were never started: cancel the tasks queued for it
@@ -274,6 +708,8 @@ class Executor(ProcessPoolExecutor):
         for item in list(self._pending_work_items.values()):
             item.future.cancel()
         self._pending_work_items.clear()
+        if self._lane is not None:
+            self._lane.close()
         for q in (getattr(self, "_call_queue", None), getattr(self, "_result_queue", None)):
             for end in ("_reader", "_writer"):
                 with contextlib.suppress(Exception):
@@ -310,6 +746,8 @@ class Executor(ProcessPoolExecutor):
             # shutdown() in kill_executors.
             self._cancel_pending_futures = True
             self._shutdown_thread = True
+            if self._lane is not None:
+                self._lane.cancel_queued()
             wakeup = self._executor_manager_thread_wakeup
             if wakeup is not None:
                 wakeup.wakeup()
@@ -359,6 +797,7 @@ def kill_executors(
     for ex in executors:
         if isinstance(ex, Executor):
             ex.close_unstarted()  # before shutdown() drops its references to the pipes
+            ex.close_lane()  # every worker is gone: what it still had fails now
         ex.shutdown(wait=False, cancel_futures=True)
     for t in manager_threads:
         t.join(timeout)
@@ -508,11 +947,19 @@ _forking_now = threading.local()
 
 @contextlib.contextmanager
 def _forking(executor: Executor) -> Iterator[None]:
+    before = getattr(_forking_now, "executor", None)
     _forking_now.executor = executor
     try:
         yield
     finally:
-        _forking_now.executor = None
+        _forking_now.executor = before
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _close_foreign_result_pipes() -> None:
@@ -526,6 +973,16 @@ def _close_foreign_result_pipes() -> None:
     """
     mine = getattr(_forking_now, "executor", None)
     for ex in list(_alive):
+        lane = getattr(ex, "_lane", None)
+        if lane is not None:
+            # The main process's ends of every lane, and another worker's ends too: a lane's
+            # pipes are the loop's and its own worker's alone.
+            ends = [lane.call_w, lane.result_r]
+            if ex is not mine:
+                ends += [lane.call_r, lane.result_w]
+            for conn in ends:
+                with contextlib.suppress(Exception):  # closed already
+                    conn.close()
         if ex is mine:
             continue  # this worker's own results go there
         queue = getattr(ex, "_result_queue", None)

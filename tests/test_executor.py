@@ -761,3 +761,24 @@ async def test_crash_report_does_not_blame_workers_the_manager_thread_killed() -
         assert (report.pid, report.exitcode) == (crashed.pid, -signal.SIGKILL)
     finally:
         await pool.shutdown(graceful=False)
+
+
+def test_a_pinned_pool_serves_one_event_loop_after_another() -> None:
+    """A pinned worker's batches travel over a lane that the submitting event loop watches
+    (_procpool.Lane): persistent workers kept from a loop that is still open but stopped serve
+    the next loop, and the first one again, every batch in order."""
+    from tests.datasets import RangeDataset
+
+    loader = AsyncDataLoader(RangeDataset(12), batch_size=2, num_workers=2, persistent_workers=True)
+
+    async def epoch() -> list[int]:
+        return [int(x) async for b in loader for x in b]
+
+    first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        for loop in (first, second, first):
+            assert loop.run_until_complete(asyncio.wait_for(epoch(), 60)) == list(range(12))
+        first.run_until_complete(loader.aclose())
+    finally:
+        first.close()
+        second.close()
