@@ -235,10 +235,12 @@ class Epoch:
                 EpochEndedError(f"epoch {self.epoch_no} ended because its event loop shut down"),
             )
             waits = [t for t in [self._cleanup_task] if t is not None]
-            # The loop is going away: persistent workers cannot serve another epoch on it.
-            pool = self.host.persistent_pool()
-            if pool is not None:
-                self.host.pool_retired(pool)
+            # The loop is going away: persistent workers cannot serve another epoch on it. A
+            # loader already gone (collected together with its iterator) stopped its own pool.
+            host = self._host_ref()
+            pool = host.persistent_pool() if host is not None else None
+            if host is not None and pool is not None:
+                host.pool_retired(pool)
                 waits.append(asyncio.ensure_future(pool.shutdown(graceful=False)))
             for task in waits:
                 while not task.done():

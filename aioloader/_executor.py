@@ -439,10 +439,17 @@ class WorkerPool:
             if (dead and settled) or time.monotonic() > deadline:
                 break
             time.sleep(0.005)
-        # The executor SIGTERMs the survivors once it sees one die, and SIGKILLs those that
-        # outlive it (see _procpool._ManagerThread): prefer any other death.
+        # The executor SIGTERMs the survivors once it sees one die, SIGKILLs those that outlive
+        # it (see _procpool._ManagerThread), and (Python 3.11) asks them to exit, which one that
+        # ignores SIGTERM does with status 0: prefer any other death.
         killed = {pid for ex in self._executors for pid in ex.killed_pids}
-        dead.sort(key=lambda wp: (wp[1].pid in killed, wp[1].exitcode == -signal.SIGTERM))
+        dead.sort(
+            key=lambda wp: (
+                wp[1].pid in killed,
+                wp[1].exitcode in (0, -signal.SIGTERM),
+                wp[1].exitcode == 0,
+            )
+        )
         if not dead:
             return CrashReport(None, None, None, None, None)
         wid, proc = dead[0]

@@ -234,3 +234,48 @@ def test_the_workers_of_a_dropped_persistent_loader_go_without_a_collection(brid
     finally:
         proc.kill()
         proc.communicate()
+
+
+LOADER_AND_ITERATOR_IN_A_CYCLE = textwrap.dedent(
+    """
+    import gc, sys, time
+    import psutil, torch
+    from aioloader import AsyncDataLoader
+
+    num_workers, persistent = int(sys.argv[1]), sys.argv[2] == "1"
+    kw = {"persistent_workers": True} if persistent else {}
+    ds = torch.utils.data.TensorDataset(torch.arange(100.0))
+    loader = AsyncDataLoader(ds, batch_size=2, num_workers=num_workers, **kw).sync()
+    it = iter(loader)
+    next(it)
+    # Garbage together, in one cycle (a failed test's traceback, `except ... as e`).
+    box = {"loader": loader, "it": it}
+    box["self"] = box
+    del loader, it, box
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while psutil.Process().children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("children", len(psutil.Process().children()), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("num_workers,persistent", [(0, "0"), (2, "0"), (2, "1")])
+def test_a_loader_collected_together_with_its_open_iterator_ends_quietly(
+    num_workers: int, persistent: str
+) -> None:
+    """The collector freed a bridged loader before its half-consumed iterator: the loop's
+    shutdown cancelled the epoch's guard, which asked the loader (gone) for its pool and raised
+    'aioloader bug: an epoch outlived its loader' (found by torch's test_dataloader.py)."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOADER_AND_ITERATOR_IN_A_CYCLE, str(num_workers), persistent],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "children 0" in done.stdout, done.stdout + done.stderr
+    for noise in ("aioloader bug", "Task was destroyed", "Traceback"):
+        assert noise not in done.stderr, done.stderr

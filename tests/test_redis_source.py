@@ -317,3 +317,26 @@ def test_bad_source_arguments_say_what_is_wrong(kwargs: dict[str, Any]) -> None:
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=name):
         RedisStreamSource("redis://127.0.0.1:1/0", "s", "g", "c", **kwargs)
+
+
+async def test_an_outage_seen_by_two_commands_at_once_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A read and an ack in flight together both see the server go: one "lost the server" and
+    one "reconnected" per outage, not one per command (seen under load)."""
+    server = _server()
+    try:
+        src = RedisStreamSource(server.url, "s", "g", "c", reconnect_delay_s=0.05)
+        caplog.set_level(logging.WARNING, logger="aioloader.sources.redis")
+        async with src, asyncio.timeout(30):
+            await src.ensure_group()
+            server.stop_only()
+            calls = [asyncio.create_task(src.ensure_group()) for _ in range(3)]
+            await asyncio.sleep(0.5)  # every call has failed at least once by now
+            server.start()
+            await asyncio.gather(*calls)
+    finally:
+        server.stop()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("lost the server" in m for m in messages) == 1, messages
+    assert sum("reconnected after" in m for m in messages) == 1, messages

@@ -158,6 +158,10 @@ class RedisStreamSource:
         # consumer's pending list that were never yielded, and a restarted server may have lost
         # the group. The reader re-creates the group and re-reads its pending entries.
         self._resync = False
+        # One outage for every command in flight (a read and an ack may both see it): when it
+        # began and the attempts made since, so it is logged once, lost and back.
+        self._down_since: float | None = None
+        self._attempts = 0
 
     def __repr__(self) -> str:
         return (
@@ -203,15 +207,14 @@ class RedisStreamSource:
     async def _call(self, command: Callable[[aioredis.Redis], Awaitable[_T]]) -> _T:
         """Runs one idempotent command, reconnecting to a lost server for ``reconnect_for_s``."""
         loop = asyncio.get_running_loop()
-        down_since: float | None = None
-        attempts = 0
+        attempts = 0  # this command's, for its backoff
         while True:
             try:
                 result = await command(self._redis())
             except _LOST as exc:
                 now = loop.time()
-                if down_since is None:
-                    down_since = now
+                if self._down_since is None:
+                    self._down_since, self._attempts = now, 0
                     if self.reconnect_for_s != 0:
                         _logger.warning(
                             "%r: lost the server (%s: %s); reconnecting for up to %s s",
@@ -220,12 +223,15 @@ class RedisStreamSource:
                             exc,
                             "unlimited" if self.reconnect_for_s is None else self.reconnect_for_s,
                         )
+                down_since = self._down_since
+                self._attempts += 1
                 left = (
                     None
                     if self.reconnect_for_s is None
                     else (down_since + self.reconnect_for_s - now)
                 )
                 if left is not None and left <= 0:
+                    self._down_since = None  # the next epoch starts its own reconnect bound
                     raise self._lost(exc, now - down_since) from exc
                 delay = min(self.reconnect_max_delay_s, self.reconnect_delay_s * 2**attempts)
                 attempts += 1
@@ -233,13 +239,14 @@ class RedisStreamSource:
                 # a server that restarted has forgotten this group unless it persisted it.
                 await asyncio.sleep(delay if left is None else min(delay, left))
                 continue
-            if down_since is not None:
+            if self._down_since is not None:
                 _logger.warning(
                     "%r: reconnected after %.1f s (%d attempts)",
                     self,
-                    loop.time() - down_since,
-                    attempts + 1,
+                    loop.time() - self._down_since,
+                    self._attempts + 1,
                 )
+                self._down_since = None
                 self._resync = True
             return result
 
