@@ -428,10 +428,12 @@ class Epoch:
             # Unpickled where it arrives: a batch's descriptors are waiting on its worker's
             # channel already (see _transport.FdChannel), so this does not wait for the worker.
             received = receive(f)
-            if threading.get_ident() == loop_thread:
-                loop.call_soon(self._on_done, send_idx, gen, f, received)
-                return
             with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+                if threading.get_ident() == loop_thread:
+                    # A stale lane result can arrive on a later loop of this thread (persistent
+                    # workers over two asyncio.run calls): this epoch's loop is closed then.
+                    loop.call_soon(self._on_done, send_idx, gen, f, received)
+                    return
                 loop.call_soon_threadsafe(self._on_done, send_idx, gen, f, received)
 
         fut.add_done_callback(done)
@@ -523,7 +525,8 @@ class Lost(Failure):
 
 
 def receive(fut: Future[Any]) -> Any:
-    """Rebuild a finished task's batch. Runs in: the executor's manager thread (or a fetch thread).
+    """Rebuild a finished task's batch. Runs in: the loop (a lane), or the thread that completed
+    the task (an executor's manager thread, a fetch thread).
 
     Returns the :class:`~aioloader._worker.Result` with its ``data`` decoded into ``Direct`` (or a
     ``Failure`` to raise at the batch's position), or None if the task did not complete. Never

@@ -57,6 +57,7 @@ from concurrent.futures import process as _process
 from multiprocessing import synchronize, util
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 __all__ = ("Executor", "close_pipes", "kill_executors", "quiet_fork_warning", "release_semaphores")
@@ -89,6 +90,23 @@ class _ManagerThread(_process._ExecutorManagerThread):
       is left running to kill that worker. Survivors get :data:`SIGTERM_GRACE_S`, then SIGKILL;
       their pids go to the executor's ``killed_pids`` so a crash report does not blame them.
     """
+
+    def join_executor_internals(self) -> None:
+        # Called on a normal shutdown (also by concurrent.futures' hook at interpreter exit).
+        lane = self.lane
+        if lane is not None and lane.unread():
+            # Results nobody will read (their event loop is closed or stopped): a worker blocked
+            # writing one into a full pipe never reads its exit request, and the join below,
+            # at interpreter exit too, would wait for ever. Its futures fail; it is killed.
+            lane.fail(_process.BrokenProcessPool("the worker pool was shut down"))
+            executor = self.executor_reference()
+            killed: set[int] = getattr(executor, "killed_pids", set())
+            del executor
+            for p in self.processes.values():
+                if p.exitcode is None and p.pid is not None:
+                    killed.add(p.pid)
+                    p.kill()
+        super().join_executor_internals()
 
     def _join_executor_internals(self, broken: bool = False) -> None:
         # Python >= 3.12 only (3.11 joins without holding the lock). Called by _terminate_broken
@@ -243,7 +261,9 @@ class Lane:
             self._attach(loop)
         fut: Future[Any] = Future()
         try:
-            data = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+            # multiprocessing's pickler, as the executor's own queue uses: its reductions
+            # (connections, sockets, shared tensors) must hold on this path too.
+            data = bytes(ForkingPickler.dumps((fn, args), pickle.HIGHEST_PROTOCOL))
         except Exception as exc:  # as the executor's feeder thread reports it: on the future
             fut.set_exception(exc)
             return fut
@@ -356,10 +376,16 @@ class Lane:
             pos += head + n
         if pos:
             del buf[:pos]
+        interrupt: BaseException | None = None
         for frame in frames:
-            self._complete(frame)
+            try:
+                self._complete(frame)
+            except BaseException as exc:  # a ^C on the loop thread: raised once all are done
+                interrupt = interrupt or exc
         if frames:
             self._pump()
+        if interrupt is not None:
+            raise interrupt
 
     def _complete(self, frame: bytes) -> None:
         (work_id,) = _WORK_ID.unpack_from(frame)
@@ -369,8 +395,12 @@ class Lane:
             return  # failed meanwhile (the pool broke or was killed)
         try:
             exc, value = pickle.loads(memoryview(frame)[_WORK_ID.size :])
-        except Exception as err:  # a result that cannot be rebuilt here fails its task alone
+        except BaseException as err:
+            # A result that cannot be rebuilt here fails its task alone; popped above, the
+            # future is completed here or never. A ^C or SystemExit still reaches the loop.
             fut.set_exception(err)
+            if not isinstance(err, Exception):
+                raise
             return
         if exc is not None:
             fut.set_exception(exc)
@@ -391,6 +421,14 @@ class Lane:
                 loop.remove_writer(self.call_w.fileno())
 
     # -------------------------------------------------------------------- any thread
+
+    def unread(self) -> bool:
+        """Whether tasks are with the worker (or waiting) while no running loop reads the
+        lane: their results would stay in the pipe. Runs in: any thread."""
+        with self._lock:
+            outstanding = bool(self._pending or self._queued)
+            loop = self._loop
+        return outstanding and (loop is None or loop.is_closed() or not loop.is_running())
 
     def fail(self, exc: BaseException) -> None:
         """Fail every future not completed yet with ``exc``; later submits raise
@@ -498,10 +536,10 @@ def _run_lane_task(data: bytes, lane_out: Connection) -> None:
     except BaseException as e:
         exc = _private._ExceptionWithTraceback(e, e.__traceback__)
     try:
-        payload = pickle.dumps((exc, result), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = ForkingPickler.dumps((exc, result), pickle.HIGHEST_PROTOCOL)
     except BaseException as e:
         exc = _private._ExceptionWithTraceback(e, e.__traceback__)
-        payload = pickle.dumps((exc, None), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = ForkingPickler.dumps((exc, None), pickle.HIGHEST_PROTOCOL)
     del result
     lane_out.send_bytes(work_id + payload)
 

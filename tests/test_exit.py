@@ -279,3 +279,70 @@ def test_a_loader_collected_together_with_its_open_iterator_ends_quietly(
     assert "children 0" in done.stdout, done.stdout + done.stderr
     for noise in ("aioloader bug", "Task was destroyed", "Traceback"):
         assert noise not in done.stderr, done.stderr
+
+
+UNREAD_LANE_RESULT_AT_EXIT = textwrap.dedent(
+    """
+    import asyncio, multiprocessing as mp
+    from aioloader._procpool import Executor
+
+    def big(n):
+        return b"x" * n
+
+    ex = Executor(max_workers=1, mp_context=mp.get_context("fork"), lane=True)
+    ex.start_workers()
+
+    async def main():
+        ex.submit(big, 1 << 20)  # a result larger than the pipe, never read
+
+    asyncio.run(main())
+    print("exiting", flush=True)
+    """
+)
+
+
+def test_an_unread_lane_result_larger_than_the_pipe_does_not_hang_the_exit() -> None:
+    """The loop that would read a pinned worker's result closed first: the worker blocks writing
+    it into the full pipe, and concurrent.futures' exit hook joined the manager thread, which
+    joined the worker, for ever. Unread lanes are failed and their workers killed instead."""
+    done = _run(UNREAD_LANE_RESULT_AT_EXIT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
+
+
+STALE_LANE_RESULTS_ON_A_LATER_LOOP = textwrap.dedent(
+    """
+    import asyncio, io, logging
+    from aioloader import AsyncDataLoader
+    from tests.datasets import SlowDataset
+
+    log = io.StringIO()
+    logging.getLogger("concurrent.futures").addHandler(logging.StreamHandler(log))
+    loader = AsyncDataLoader(
+        SlowDataset(40, 0.05), batch_size=2, num_workers=2, persistent_workers=True
+    )
+
+    async def first():
+        async for _ in loader:
+            break  # batches still loading on the lanes; this loop closes next
+
+    async def second():
+        out = [int(x) async for b in loader for x in b]
+        await loader.aclose()
+        return out
+
+    asyncio.run(first())
+    print("second epoch whole:", asyncio.run(second()) == list(range(40)))
+    print("callback errors:", log.getvalue().count("exception calling callback"))
+    """
+)
+
+
+def test_stale_lane_results_read_on_a_later_loop_are_dropped_quietly() -> None:
+    """Persistent workers over two asyncio.run calls: the first epoch's results arrive on the
+    second loop, and their callback asked the first (closed) loop to run them: an error logged
+    for each."""
+    done = _run(STALE_LANE_RESULTS_ON_A_LATER_LOOP, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "second epoch whole: True" in done.stdout, done.stdout + done.stderr
+    assert "callback errors: 0" in done.stdout, done.stdout + done.stderr
