@@ -114,7 +114,7 @@ class DeviceStage:
             keeps the host copy from taking cores that worker processes load on; with no worker
             processes the loader passes this process's thread count, as torch pins on its main
             thread then (one thread copies into pinned memory at a fraction of what several do:
-            5.5 against 40 GB/s for 64 MiB batches on a 16-core H100 host, docs/benchmarks.md).
+            5.5 against 22-30 GB/s for 64 MiB batches on a 16-core H100 host, docs/benchmarks.md).
 
     Raises:
         TypeError: ``device`` is not a ``str``, ``torch.device`` or ``None``.

@@ -99,13 +99,7 @@ class _ManagerThread(_process._ExecutorManagerThread):
             # writing one into a full pipe never reads its exit request, and the join below,
             # at interpreter exit too, would wait for ever. Its futures fail; it is killed.
             lane.fail(_process.BrokenProcessPool("the worker pool was shut down"))
-            executor = self.executor_reference()
-            killed: set[int] = getattr(executor, "killed_pids", set())
-            del executor
-            for p in self.processes.values():
-                if p.exitcode is None and p.pid is not None:
-                    killed.add(p.pid)
-                    p.kill()
+            self._kill_alive(list(self.processes.values()))
         super().join_executor_internals()
 
     def _join_executor_internals(self, broken: bool = False) -> None:
@@ -118,7 +112,6 @@ class _ManagerThread(_process._ExecutorManagerThread):
     def _kill_sigterm_survivors(self) -> None:
         executor = self.executor_reference()
         grace = getattr(executor, "_sigterm_grace", SIGTERM_GRACE_S)
-        killed: set[int] = getattr(executor, "killed_pids", set())
         del executor  # no strong reference held while waiting: it may be collected meanwhile
         if grace is None:
             return
@@ -126,6 +119,14 @@ class _ManagerThread(_process._ExecutorManagerThread):
         procs = list(self.processes.values())
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
+        self._kill_alive(procs)
+
+    def _kill_alive(self, procs: list[Any]) -> None:
+        """SIGKILL those of ``procs`` still running; their pids go to the executor's
+        ``killed_pids``, so a crash report does not blame them."""
+        executor = self.executor_reference()
+        killed: set[int] = getattr(executor, "killed_pids", set())
+        del executor
         for p in procs:
             if p.exitcode is None and p.pid is not None:
                 killed.add(p.pid)

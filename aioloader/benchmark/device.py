@@ -18,7 +18,9 @@ so what is timed is pinning and the copy to the GPU. Three rows:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -84,30 +86,10 @@ def _aio_run(ds: ReadyBatches, warmup: int, sleep_cycles: int) -> tuple[float, i
     return asyncio.run(drain())
 
 
-def _torch_run(ds: ReadyBatches, warmup: int, sleep_cycles: int) -> tuple[float, int]:
+def _timed(batches: Iterator[torch.Tensor], warmup: int, sleep_cycles: int) -> tuple[float, int]:
+    """Run the consumer's step on each device batch: seconds and batches after ``warmup``."""
     seen, t0 = 0, 0.0
-    for batch in DataLoader(ds, batch_size=None, num_workers=0, pin_memory=True):
-        moved = batch.to("cuda", non_blocking=True)
-        _step(moved, sleep_cycles)
-        seen += 1
-        if seen == warmup:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, seen - warmup
-
-
-def _plain_run(ds: ReadyBatches, warmup: int, pin: bool, copy: bool,
-               sleep_cycles: int) -> tuple[float, int]:  # fmt: skip
-    """The machine's limit: the same copies (and kernels) in a bare loop, no loader at all."""
-    resident = torch.empty(BATCH_BYTES // 4, device="cuda")
-    seen, t0 = 0, 0.0
-    for i in range(len(ds)):
-        src = ds[i]
-        if copy:
-            batch = (src.pin_memory() if pin else src).to("cuda", non_blocking=True)
-        else:
-            batch = resident
+    for batch in batches:
         _step(batch, sleep_cycles)
         seen += 1
         if seen == warmup:
@@ -115,6 +97,52 @@ def _plain_run(ds: ReadyBatches, warmup: int, pin: bool, copy: bool,
             t0 = time.perf_counter()
     torch.cuda.synchronize()
     return time.perf_counter() - t0, seen - warmup
+
+
+def _torch_run(ds: ReadyBatches, warmup: int, sleep_cycles: int) -> tuple[float, int]:
+    loader = DataLoader(ds, batch_size=None, num_workers=0, pin_memory=True)
+    return _timed((b.to("cuda", non_blocking=True) for b in loader), warmup, sleep_cycles)
+
+
+def _plain_run(ds: ReadyBatches, warmup: int, pin: bool, copy: bool,
+               sleep_cycles: int) -> tuple[float, int]:  # fmt: skip
+    """The machine's limit: the same copies (and kernels) in a bare loop, no loader at all."""
+    resident = torch.empty(BATCH_BYTES // 4, device="cuda")
+
+    def batches() -> Iterator[torch.Tensor]:
+        for i in range(len(ds)):
+            if not copy:
+                yield resident
+                continue
+            src = ds[i]
+            yield (src.pin_memory() if pin else src).to("cuda", non_blocking=True)
+
+    return _timed(batches(), warmup, sleep_cycles)
+
+
+def _rounds(
+    cfg: Config,
+    label: str,
+    ds: ReadyBatches,
+    warmup: int,
+    sleep_cycles: int,
+    limit: Callable[[], tuple[float, int]],
+    value: Callable[[float, int], float],
+) -> dict[str, list[float]]:
+    """``cfg.rounds`` alternating rounds of torch, aioloader and ``limit``: ``value(seconds,
+    batches)`` of each."""
+    rounds: dict[str, list[float]] = {n: [] for n in (TORCH, AIO, LIMIT)}
+    for r in range(cfg.rounds):
+        for name, run in rounds.items():
+            if name == AIO:
+                secs, n = _aio_run(ds, warmup, sleep_cycles)
+            elif name == TORCH:
+                secs, n = _torch_run(ds, warmup, sleep_cycles)
+            else:
+                secs, n = limit()
+            run.append(value(secs, n))
+        cfg.progress(f"{label} round {r + 1}/{cfg.rounds}")
+    return rounds
 
 
 def _kernel_ms(sleep_cycles: int, repeats: int = 20) -> float:
@@ -150,21 +178,18 @@ def bench_device(cfg: Config) -> list[Row]:
     cfg.progress(f"device: {device_info()}")
     warmup = 5
     batches = plan(cfg, 200, 40)
-    names = [TORCH, AIO, LIMIT]
     rows: list[Row] = []
     for pinned in (True, False):
         ds = ReadyBatches(batches + warmup, pinned)
-        rounds: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(cfg.rounds):
-            for name in names:
-                if name == AIO:
-                    secs, n = _aio_run(ds, warmup, 0)
-                elif name == TORCH:
-                    secs, n = _torch_run(ds, warmup, 0)
-                else:
-                    secs, n = _plain_run(ds, warmup, pin=not pinned, copy=True, sleep_cycles=0)
-                rounds[name].append(_gbps(n, secs))
-            cfg.progress(f"{'pinned' if pinned else 'pageable'} round {r + 1}/{cfg.rounds}")
+        rounds = _rounds(
+            cfg,
+            "pinned" if pinned else "pageable",
+            ds,
+            warmup,
+            0,
+            functools.partial(_plain_run, ds, warmup, pin=not pinned, copy=True, sleep_cycles=0),
+            lambda secs, n: _gbps(n, secs),
+        )
         kind = "pinned" if pinned else "pageable, pinned per batch"
         row = Row("device", f"GB/s ({kind}; 64 MiB batches)", "higher", rounds)
         limit = row.median(LIMIT)
@@ -182,17 +207,15 @@ def bench_device(cfg: Config) -> list[Row]:
     copy_ms = secs / n * 1e3
     cycles = _calibrate(copy_ms)
     kernel_ms = _kernel_ms(cycles)
-    rounds = {n: [] for n in names}
-    for r in range(cfg.rounds):
-        for name in names:
-            if name == AIO:
-                secs, n = _aio_run(ds, warmup, cycles)
-            elif name == TORCH:
-                secs, n = _torch_run(ds, warmup, cycles)
-            else:
-                secs, n = _plain_run(ds, warmup, pin=False, copy=False, sleep_cycles=cycles)
-            rounds[name].append(secs / n * 1e3)
-        cfg.progress(f"overlap round {r + 1}/{cfg.rounds}")
+    rounds = _rounds(
+        cfg,
+        "overlap",
+        ds,
+        warmup,
+        cycles,
+        functools.partial(_plain_run, ds, warmup, pin=False, copy=False, sleep_cycles=cycles),
+        lambda secs, n: secs / n * 1e3,
+    )
     row = Row("device", "ms per step (copy + kernel on the batch)", "lower", rounds)
     aio = row.median(AIO)
     if aio:
