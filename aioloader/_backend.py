@@ -59,6 +59,10 @@ class Backend(Protocol):
 
     def sentinels(self) -> list[int]: ...
 
+    # Optional: ``prefeed(worker_id, key, samples) -> bool`` sends samples of a window still
+    # filling ahead to its worker (see _stream and SampleCollator.prefeed); backends without it
+    # get whole windows only.
+
     def crash_report(self, settle_s: float = 1.0) -> CrashReport: ...
 
     async def replace(self) -> Backend: ...
@@ -132,6 +136,17 @@ class ThreadBackend:
 
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
         return self._ex.submit(self._fetch, send_idx, indices, epoch)
+
+    def prefeed(self, worker_id: int | None, key: tuple[int, int], samples: Any) -> bool:
+        """Transform samples of an open window ahead, on the loading thread (see ``_stream``)."""
+        collator = self._dataset
+        if not isinstance(collator, _worker.SampleCollator):
+            return False
+        try:
+            self._ex.submit(collator.prefeed, key, samples)
+        except RuntimeError:  # shut down: the window's task will not run either
+            return False
+        return True
 
     def _fetch(self, send_idx: int, indices: Any, epoch: int) -> _worker.Result:
         extra: _worker.Extra | None = None

@@ -401,6 +401,19 @@ class Epoch:
 
     # ------------------------------------------------------------------------------ submission
 
+    def prefeed(self, send_idx: int, worker_id: int | None, samples: Any) -> bool:
+        """Send samples of the open window ``send_idx`` ahead to its worker, if the backend can
+        (see ``_stream``); whether they were sent."""
+        backend = self.backend
+        post = getattr(backend, "prefeed", None)
+        if post is None or self.phase is not Phase.RUNNING:
+            return False
+        try:
+            return bool(post(worker_id, (self.epoch_no, send_idx), samples))
+        except Exception:  # an optimisation only: the window's task carries every sample
+            _logger.debug("prefeed of send_idx=%d failed", send_idx, exc_info=True)
+            return False
+
     def submit(self, send_idx: int) -> None:
         """Send the in-flight entry ``send_idx`` to the workers (again, after a recovery)."""
         flight = self.in_flight[send_idx]

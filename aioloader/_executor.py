@@ -421,6 +421,13 @@ class WorkerPool:
         ex = self._executors[worker_id if self._per_worker and worker_id is not None else 0]
         return ex.submit(_worker.fetch, send_idx, indices, epoch)
 
+    def prefeed(self, worker_id: int | None, key: tuple[int, int], samples: Any) -> bool:
+        """Send samples of an open window ahead to the worker it is pinned to (see
+        ``_stream``); False if they were not sent (no pinned worker, or no lane to post on)."""
+        if not self._per_worker or worker_id is None:
+            return False
+        return self._executors[worker_id].post(_worker.prefeed, key, samples)
+
     def crash_report(self, settle_s: float = 1.0) -> CrashReport:
         """Name the worker that died (after a ``BrokenProcessPool``); blocks up to ``settle_s``.
 

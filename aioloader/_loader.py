@@ -1172,6 +1172,7 @@ def _stream_input(
         max_batch_latency=latency,
         source_concurrency=int(source_concurrency),  # type: ignore[call-overload]
         batch_size=batch_size,
+        transformed=transform is not None,
     )
 
 

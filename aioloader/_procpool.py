@@ -182,6 +182,8 @@ class _ManagerThread(_process._ExecutorManagerThread):
 _FRAME = struct.Struct("!i")
 _FRAME_LONG = struct.Struct("!Q")
 _WORK_ID = struct.Struct("!q")
+#: The work id of a post: a task the worker runs without sending anything back.
+_POST_ID = -1
 
 # concurrent.futures.process's private helpers, the same in CPython 3.11-3.13 (untyped here).
 _private: Any = _process
@@ -221,8 +223,9 @@ class Lane:
         self._ids = itertools.count()
         # Written to the worker, result not read yet: work id -> future (set running).
         self._pending: dict[int, Future[Any]] = {}
-        # Not written yet (more than LANE_DEPTH outstanding, or the worker not started yet).
-        self._queued: collections.deque[tuple[int, Future[Any], bytes]] = collections.deque()
+        # Not written yet (more than LANE_DEPTH outstanding, or the worker not started yet); a
+        # post has no future.
+        self._queued: collections.deque[tuple[int, Future[Any] | None, bytes]] = collections.deque()
         self._out = bytearray()  # framed bytes not yet written to the call pipe
         self._in = bytearray()  # bytes read from the result pipe, not yet a whole frame
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -277,6 +280,24 @@ class Lane:
         self._pump()
         return fut
 
+    def post(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+        """Queue ``fn(*args)`` for the worker with no reply and no future, in order with the
+        tasks. Runs in: the event loop it serves. False (nothing sent) if it cannot be pickled or
+        the lane is broken or closed: a post is only ever an optimisation."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._attach(loop)
+        try:
+            data = bytes(ForkingPickler.dumps((fn, args), pickle.HIGHEST_PROTOCOL))
+        except Exception:
+            return False
+        with self._lock:
+            if self._broken is not None or self._closed:
+                return False
+            self._queued.append((_POST_ID, None, data))
+        self._pump()
+        return True
+
     def serves(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether :meth:`submit` may run on ``loop``: not while another loop that watches the
         lane runs (on another thread), whose callbacks would then share the lane's buffers."""
@@ -305,17 +326,16 @@ class Lane:
         out = self._out
         while True:
             with self._lock:
-                if (
-                    not self._open
-                    or not self._queued
-                    or len(self._pending) >= LANE_DEPTH
-                    or self._broken is not None
-                ):
+                if not self._open or not self._queued or self._broken is not None:
+                    break
+                # A post waits for nothing but the tasks ahead of it (it adds no result).
+                if self._queued[0][1] is not None and len(self._pending) >= LANE_DEPTH:
                     break
                 work_id, fut, data = self._queued.popleft()
-                if not fut.set_running_or_notify_cancel():
-                    continue  # cancelled while it waited here: the worker never sees it
-                self._pending[work_id] = fut
+                if fut is not None:
+                    if not fut.set_running_or_notify_cancel():
+                        continue  # cancelled while it waited here: the worker never sees it
+                    self._pending[work_id] = fut
             out += _frame(_WORK_ID.pack(work_id) + data)
         self._flush()
 
@@ -427,7 +447,7 @@ class Lane:
         """Whether tasks are with the worker (or waiting) while no running loop reads the
         lane: their results would stay in the pipe. Runs in: any thread."""
         with self._lock:
-            outstanding = bool(self._pending or self._queued)
+            outstanding = bool(self._pending) or any(f is not None for _, f, _ in self._queued)
             loop = self._loop
         return outstanding and (loop is None or loop.is_closed() or not loop.is_running())
 
@@ -437,7 +457,8 @@ class Lane:
         with self._lock:
             if self._broken is None:
                 self._broken = exc
-            futures = [f for f in self._pending.values()] + [f for _, f, _ in self._queued]
+            futures = [f for f in self._pending.values()]
+            futures += [f for _, f, _ in self._queued if f is not None]
             self._pending.clear()
             self._queued.clear()
         for f in futures:
@@ -449,7 +470,7 @@ class Lane:
         ``cancel_futures=True``). Runs in: any thread."""
         with self._lock:
             self._closed = True
-            queued = [f for _, f, _ in self._queued]
+            queued = [f for _, f, _ in self._queued if f is not None]
             self._queued.clear()
         for f in queued:
             f.cancel()
@@ -529,6 +550,11 @@ def _run_lane_task(data: bytes, lane_out: Connection) -> None:
     """Run one lane task and send its result back, or the exception it raised (an exception
     that cannot be pickled is replaced by the pickling error, as the executor does)."""
     work_id = data[: _WORK_ID.size]
+    if _WORK_ID.unpack(work_id)[0] == _POST_ID:
+        with contextlib.suppress(Exception):  # a post reports nothing (see Lane.post)
+            fn, args = pickle.loads(memoryview(data)[_WORK_ID.size :])
+            fn(*args)
+        return
     result: Any = None
     exc: Any = None
     try:
@@ -689,6 +715,18 @@ class Executor(ProcessPoolExecutor):
             if loop is not None and lane.serves(loop):
                 return lane.submit(fn, args)
         return super().submit(fn, *args, **kwargs)
+
+    def post(self, fn: Callable[..., Any], /, *args: Any) -> bool:
+        """Run ``fn(*args)`` in the worker with no reply, in order with the tasks submitted
+        through the lane (see :meth:`Lane.post`); False if it was not sent: no lane, or the lane
+        is not this event loop's."""
+        lane = self._lane
+        if lane is None or self._broken or self._shutdown_thread:
+            return False
+        loop = _running_loop()
+        if loop is None or not lane.serves(loop):
+            return False
+        return lane.post(fn, args)
 
     def detach_lane(self) -> None:
         """Stop the event loop watching the lane's pipes. Runs in: that loop."""

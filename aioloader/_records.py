@@ -72,8 +72,11 @@ class StreamInput:
         max_batch_latency: float | None,
         source_concurrency: int,
         batch_size: int | None,
+        transformed: bool = False,
     ) -> None:
         self.source = source
+        #: A ``transform`` runs per sample in the workers: worth starting on a window early.
+        self.transformed = transformed
         self.kind = kind
         self.max_batch_latency = max_batch_latency
         self.source_concurrency = source_concurrency

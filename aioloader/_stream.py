@@ -59,6 +59,8 @@ class StreamSide(SubmitSide, Protocol):
 
     acks: Acks | None
 
+    def prefeed(self, send_idx: int, worker_id: int | None, samples: Any) -> bool: ...
+
 
 def user_error(exc: BaseException, what: str) -> BaseException:
     """What to raise at a batch's position for ``exc``, raised by user code ``what`` on the loop.
@@ -278,6 +280,11 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
     reading = _Reader(stream.source, size)
     buffer = reading.buffer
     reader = start_task(loop, reading.run(), name="aioloader-source-reader")
+    # Samples of a window still filling go ahead to its worker whenever the source makes the
+    # window wait, so their transform runs meanwhile and only the last few are left for when
+    # the window closes (produce-to-delivery latency of a fast paced stream). Not with
+    # seeding="batch": the transform must run under the batch's seed.
+    ahead = stream.transformed and size > 1 and epoch.plan.seeding != "batch"
     send_idx = 0
     try:
         while True:
@@ -285,10 +292,20 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
             if not ok:
                 return
             window = Samples()
+            sent = 0  # samples of the window sent ahead
             deadline: float | None = None
             end: _End | None = None
             while len(window) < size:
                 if buffer.empty():
+                    # Only while the source keeps us waiting anyway: an unpaced source never
+                    # empties the buffer, and its windows go whole as before.
+                    if (
+                        ahead
+                        and len(window) > sent
+                        and epoch.prefeed(send_idx, wid, Samples(window[sent:]))
+                    ):
+                        sent = len(window)
+                        window.ahead = ((epoch.epoch_no, send_idx), sent)
                     if deadline is None:
                         item = await buffer.get()
                     else:

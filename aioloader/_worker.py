@@ -48,6 +48,7 @@ __all__ = (
     "WorkerSpec",
     "fetch",
     "init",
+    "prefeed",
 )
 
 
@@ -79,35 +80,86 @@ class Samples(list[Any]):
 
     Submitted in place of an index batch, so the executors, the recovery and the reorder buffer
     carry it unchanged. Its repr is short: it names a batch in error messages.
+
+    ``ahead``: ``(key, count)`` when the window's first ``count`` samples were also sent ahead to
+    the worker it is pinned to, under ``key`` (see :meth:`SampleCollator.prefeed`), while the
+    window was still filling. The samples themselves still travel whole, so a worker that does
+    not hold those results (a replacement after a crash, any mix-up) transforms them all again.
     """
+
+    ahead: tuple[tuple[int, int], int] | None = None
 
     def __repr__(self) -> str:
         return f"<{len(self)} samples from an async source>"
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+    def __reduce__(self) -> tuple[Any, tuple[bytes, Any]]:
         # Plain pickle copies tensors inline. The executor's queue would otherwise use torch's
         # shared-memory reduction: one segment and one fd per sample tensor, moved in place.
-        return _load_samples, (pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL),)
+        data = pickle.dumps(list(self), protocol=pickle.HIGHEST_PROTOCOL)
+        return _load_samples, (data, self.ahead)
 
 
-def _load_samples(data: bytes) -> Samples:
-    return Samples(pickle.loads(data))
+def _load_samples(data: bytes, ahead: Any = None) -> Samples:
+    samples = Samples(pickle.loads(data))
+    if ahead is not None:
+        samples.ahead = ahead
+    return samples
 
 
 class SampleCollator:
     """The dataset a worker holds for an async source: the source itself never leaves the loop.
 
     ``get_worker_info().dataset`` is this object. ``transform`` runs per sample, then
-    ``collate_fn`` on the list (or on the one sample when ``batch_size=None``).
+    ``collate_fn`` on the list (or on the one sample when ``batch_size=None``). Samples of a window
+    still filling may be transformed ahead (:meth:`prefeed`); each process (or the loading thread
+    with ``num_workers=0``) keeps those results until the window's task arrives.
     """
 
     def __init__(self, transform: Any) -> None:
         self.transform = transform
+        # (epoch, send_idx) -> the transformed samples sent ahead so far, or what raised.
+        self._ahead: dict[tuple[int, int], list[Any] | BaseException] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"transform": self.transform}  # results kept ahead belong to one process
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.transform = state["transform"]
+        self._ahead = {}
+
+    def prefeed(self, key: tuple[int, int], samples: list[Any]) -> None:
+        """Transform more samples of the open window ``key`` ahead of its task. Never raises:
+        an error is kept, and raised when the task arrives, at the batch's position."""
+        transform = self.transform
+        if transform is None:
+            return  # nothing to do ahead; the task collates its samples as they are
+        ahead = self._ahead
+        done = ahead.get(key)
+        if done is None:
+            # A new window. Windows of earlier epochs whose task never came (the epoch was left
+            # early) are forgotten now.
+            for old in [k for k in ahead if k[0] != key[0]]:
+                del ahead[old]
+            done = ahead[key] = []
+        if isinstance(done, BaseException):
+            return
+        try:
+            for s in samples:
+                done.append(transform(s))
+        except BaseException as exc:  # SystemExit from user code too: it belongs to the batch
+            ahead[key] = exc
 
     def collate(self, samples: list[Any], collate_fn: Any, auto_collation: bool) -> Any:
         transform = self.transform
         if transform is not None:
-            samples = [transform(s) for s in samples]
+            ahead = getattr(samples, "ahead", None)
+            done = self._ahead.pop(ahead[0], None) if ahead is not None else None
+            if isinstance(done, BaseException):
+                raise done
+            if done is not None and len(done) == ahead[1]:  # type: ignore[index]
+                samples = done + [transform(s) for s in samples[len(done) :]]
+            else:
+                samples = [transform(s) for s in samples]
         try:
             if auto_collation:
                 return collate_fn(samples)
@@ -120,6 +172,13 @@ class SampleCollator:
                     "one into tensors, numbers or containers of them, or a collate_fn of your own"
                 )
             raise
+
+
+def prefeed(key: tuple[int, int], samples: Samples) -> None:
+    """A lane post (no reply): transform samples of an open window ahead. Runs in: a worker."""
+    dataset = _state.dataset
+    if _state.init_error is None and isinstance(dataset, SampleCollator):
+        dataset.prefeed(key, samples)
 
 
 class Exhausted(NamedTuple):

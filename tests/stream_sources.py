@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -158,3 +159,38 @@ class SwallowsCancel:
                 i += 1
         finally:
             self.closed = True
+
+
+class Slow:
+    """Yields ``tensor([i])`` for i < n, ``gap`` seconds apart; ``produced[i]`` is when (monotonic
+    clock, the same in every process of the machine)."""
+
+    def __init__(self, n: int, gap: float) -> None:
+        self.n = n
+        self.gap = gap
+        self.produced: list[float] = []
+
+    async def __aiter__(self) -> AsyncIterator[torch.Tensor]:
+        for i in range(self.n):
+            if i:
+                await asyncio.sleep(self.gap)
+            self.produced.append(time.monotonic())
+            yield torch.tensor([i])
+
+
+def stamped(sample: torch.Tensor) -> dict[str, Any]:
+    """A transform that says when it ran (monotonic clock) and in which process."""
+    return {"x": sample, "at": time.monotonic(), "pid": os.getpid()}
+
+
+class FailAt:
+    """A transform that raises ``error`` on sample ``at``; the others pass through."""
+
+    def __init__(self, at: int, error: BaseException) -> None:
+        self.at = at
+        self.error = error
+
+    def __call__(self, sample: torch.Tensor) -> torch.Tensor:
+        if int(sample) == self.at:
+            raise self.error
+        return sample

@@ -782,3 +782,43 @@ def test_a_pinned_pool_serves_one_event_loop_after_another() -> None:
     finally:
         first.close()
         second.close()
+
+
+_NOTES: list[Any] = []
+
+
+def _note(x: Any) -> None:
+    if x == "raise":
+        raise ValueError("a post that fails")
+    _NOTES.append(x)
+
+
+def _notes(delay: float = 0.0) -> list[Any]:
+    time.sleep(delay)
+    return list(_NOTES)
+
+
+async def test_lane_posts_run_in_order_with_tasks_and_send_nothing_back() -> None:
+    """A post (Lane.post, used to send a filling window's samples ahead) runs in the worker in
+    submission order with the tasks, even behind tasks the lane still holds back, and a failing
+    or unpicklable post neither breaks the lane nor produces a result."""
+    ex = Executor(max_workers=1, mp_context=multiprocessing.get_context("fork"), lane=True)
+    ex.start_workers()
+    try:
+        async with asyncio.timeout(30):
+            assert ex.post(_note, 1) and ex.post(_note, "raise") and ex.post(_note, 2)
+            assert await asyncio.wrap_future(ex.submit(_notes)) == [1, 2]
+            # More tasks than the lane writes ahead: the post waits behind them, in order.
+            slow = [ex.submit(_notes, 0.05) for _ in range(3)]
+            assert ex.post(_note, 3)
+            last = ex.submit(_notes)
+            results = [await asyncio.wrap_future(f) for f in slow]
+            assert results == [[1, 2]] * 3
+            assert await asyncio.wrap_future(last) == [1, 2, 3]
+            assert not ex.post(lambda: None)  # cannot be pickled: not sent, and says so
+            assert await asyncio.wrap_future(ex.submit(_notes)) == [1, 2, 3]
+            lane = ex._lane
+            assert lane is not None and not lane.unread()
+    finally:
+        await asyncio.to_thread(ex.shutdown, True)
+    assert not ex.post(_note, 4)  # shut down: nothing is sent
