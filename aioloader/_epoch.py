@@ -122,6 +122,8 @@ class Epoch:
         self.owns_backend = False
         # Bumped when a crash is accepted: every future of the dead workers is stale from then.
         self.generation = 0
+        # Set by the stream scheduler while an open window's samples are with a worker.
+        self.window_ahead: tuple[int, Any] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None
         self.started_at: float | None = None

@@ -447,7 +447,12 @@ class Lane:
         """Whether tasks are with the worker (or waiting) while no running loop reads the
         lane: their results would stay in the pipe. Runs in: any thread."""
         with self._lock:
-            outstanding = bool(self._pending) or any(f is not None for _, f, _ in self._queued)
+            # A frame half-written (a large post, say) leaves the worker blocked reading the rest.
+            outstanding = (
+                bool(self._pending)
+                or bool(self._out)
+                or any(f is not None for _, f, _ in self._queued)
+            )
             loop = self._loop
         return outstanding and (loop is None or loop.is_closed() or not loop.is_running())
 

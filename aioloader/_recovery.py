@@ -48,6 +48,8 @@ class RecoverySide(Protocol):
     generation: int
     backend: Backend | None
     in_flight: dict[int, Flight]
+    #: An async source's open window whose samples went ahead to a worker: (send_idx, samples).
+    window_ahead: tuple[int, Any] | None
 
     @property
     def terminal(self) -> bool: ...
@@ -163,18 +165,30 @@ class Recovery:
     def _held(self, report: CrashReport) -> int | None:
         """The send_idx of this epoch that the dead worker held, if any."""
         ep = self._epoch
-        if report.send_idx is None or report.send_idx not in ep.in_flight:
+        if report.send_idx is None:
             return None
         if report.epoch is not None and report.epoch != ep.epoch_no:
             return None  # a persistent worker died on an earlier epoch's batch
-        return report.send_idx
+        if report.send_idx in ep.in_flight or self._ahead(report.send_idx) is not None:
+            return report.send_idx
+        return None
+
+    def _ahead(self, send_idx: int) -> Any:
+        """The samples of the open window ``send_idx`` if they went ahead to a worker (whose
+        transform of them may be what killed it), else None."""
+        window = self._epoch.window_ahead
+        return window[1] if window is not None and window[0] == send_idx else None
+
+    def _indices(self, held: int) -> Any:
+        flight = self._epoch.in_flight.get(held)
+        return flight.indices if flight is not None else self._ahead(held)
 
     def _describe(self, report: CrashReport) -> str:
         msg = f"DataLoader {report.describe()}"
         held = self._held(report)
         if held is not None:
-            indices = self._epoch.in_flight[held].indices
-            msg += f" while loading batch send_idx={held} (indices {indices!r})"
+            what = "loading" if held in self._epoch.in_flight else "transforming ahead"
+            msg += f" while {what} batch send_idx={held} (indices {self._indices(held)!r})"
         return msg
 
     def _crash_error(self, report: CrashReport) -> WorkerCrashedError | None:
@@ -183,7 +197,7 @@ class Recovery:
         plan = ep.plan
         msg = self._describe(report)
         held = self._held(report)
-        indices: Any = ep.in_flight[held].indices if held is not None else None
+        indices: Any = self._indices(held) if held is not None else None
         if held is not None:
             self._kills[held] += 1
         common = {"worker_id": report.worker_id, "exitcode": report.exitcode}

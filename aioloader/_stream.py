@@ -49,6 +49,9 @@ __all__ = ("Acks", "run_stream_scheduler", "source_kind", "user_error")
 
 _logger = logging.getLogger(__name__)
 
+#: A window's samples go ahead to its worker only if the source's last wait took this long.
+AHEAD_MIN_WAIT_S = 0.00025
+
 #: How long a source left early (break, aclose(), an error) gets to stop once cancelled,
 #: cancelled again and again meanwhile, before it is given up on and left running.
 SOURCE_STOP_S = 5.0
@@ -58,6 +61,7 @@ class StreamSide(SubmitSide, Protocol):
     """What the stream scheduler uses of its epoch: the scheduler's, and the acknowledgements."""
 
     acks: Acks | None
+    window_ahead: tuple[int, Any] | None
 
     def prefeed(self, send_idx: int, worker_id: int | None, samples: Any) -> bool: ...
 
@@ -285,6 +289,7 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
     # the window closes (produce-to-delivery latency of a fast paced stream). Not with
     # seeding="batch": the transform must run under the batch's seed.
     ahead = stream.transformed and size > 1 and epoch.plan.seeding != "batch"
+    waited = 0.0  # how long the last wait for the source took
     send_idx = 0
     try:
         while True:
@@ -297,15 +302,19 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
             end: _End | None = None
             while len(window) < size:
                 if buffer.empty():
-                    # Only while the source keeps us waiting anyway: an unpaced source never
-                    # empties the buffer, and its windows go whole as before.
+                    # Only when the source kept us waiting last time too: a paced source. One
+                    # that hands over control at every sample but has the next one ready at
+                    # once would cost a post per sample; an unpaced one never empties the buffer.
                     if (
                         ahead
+                        and waited >= AHEAD_MIN_WAIT_S
                         and len(window) > sent
                         and epoch.prefeed(send_idx, wid, Samples(window[sent:]))
                     ):
                         sent = len(window)
                         window.ahead = ((epoch.epoch_no, send_idx), sent)
+                        epoch.window_ahead = (send_idx, window)
+                    began = loop.time()
                     if deadline is None:
                         item = await buffer.get()
                     else:
@@ -317,6 +326,7 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                                 item = await buffer.get()  # cancel-safe: nothing is lost
                         except TimeoutError:
                             break  # closed by time
+                    waited = loop.time() - began
                 else:
                     item = buffer.get_nowait()
                 if isinstance(item, _End):
@@ -329,6 +339,7 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
             error = end.error if end is not None else None
             dropped = not window or (drop_last and len(window) < size)
             if end is not None and error is None and dropped:
+                epoch.window_ahead = None
                 epoch.permits.release()  # nothing (left) to deliver: drop_last as in torch
                 break
             await epoch.resumed.wait()  # a crash while reading pauses submission here
@@ -336,6 +347,7 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                 return
             if window:
                 _submit(epoch, send_idx, window, wid)
+                epoch.window_ahead = None  # in flight now: a crash is blamed on it from there
                 send_idx += 1
                 if error is not None:
                     ok, _ = await _permit(epoch)
@@ -348,6 +360,7 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                 break
         epoch.reorder.close(send_idx)
     finally:
+        epoch.window_ahead = None
         await reading.stop(reader)
 
 

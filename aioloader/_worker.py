@@ -177,8 +177,18 @@ class SampleCollator:
 def prefeed(key: tuple[int, int], samples: Samples) -> None:
     """A lane post (no reply): transform samples of an open window ahead. Runs in: a worker."""
     dataset = _state.dataset
-    if _state.init_error is None and isinstance(dataset, SampleCollator):
+    if _state.init_error is not None or not isinstance(dataset, SampleCollator):
+        return
+    # Held like a batch: a worker killed by one of these samples is blamed on its window.
+    slots, wid = _state.slots, _state.worker_id
+    if slots is not None:
+        _state.epoch_slots[wid] = key[0]
+        slots[wid] = key[1]
+    try:
         dataset.prefeed(key, samples)
+    finally:
+        if slots is not None:
+            slots[wid] = -1
 
 
 class Exhausted(NamedTuple):

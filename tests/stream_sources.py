@@ -194,3 +194,28 @@ class FailAt:
         if int(sample) == self.at:
             raise self.error
         return sample
+
+
+class KillAlways:
+    """A transform that SIGKILLs its worker every time it sees sample ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, sample: torch.Tensor) -> torch.Tensor:
+        if int(sample) == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return sample
+
+
+class Yielding:
+    """Yields ``tensor([i])`` for i < n, handing control to the loop before each one (as a
+    client whose data is already buffered does): fast, but the reader's buffer runs dry often."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    async def __aiter__(self) -> AsyncIterator[torch.Tensor]:
+        for i in range(self.n):
+            await asyncio.sleep(0)
+            yield torch.tensor([i])

@@ -310,6 +310,49 @@ def test_an_unread_lane_result_larger_than_the_pipe_does_not_hang_the_exit() -> 
     assert "exiting" in done.stdout
 
 
+HALF_WRITTEN_POST_AT_EXIT = textwrap.dedent(
+    """
+    import asyncio, time, torch
+    from aioloader import AsyncDataLoader
+
+    class Src:
+        async def __aiter__(self):
+            for i in range(100):
+                yield torch.full((1 << 16,), float(i))  # 256 KiB: a post larger than the pipe
+                await asyncio.sleep(0.05)
+
+    def slow(x):
+        time.sleep(0.5)
+        return x
+
+    loader = None
+
+    async def main():
+        global loader  # kept open past the loop: its pool is left to the exit hook
+        loader = AsyncDataLoader(
+            Src(), batch_size=8, num_workers=1, transform=slow, persistent_workers=True
+        )
+        try:
+            async with asyncio.timeout(0.3):
+                await anext(aiter(loader))
+        except TimeoutError:
+            pass
+
+    asyncio.run(main())
+    print("exiting", flush=True)
+    """
+)
+
+
+def test_a_post_half_written_when_its_loop_closes_does_not_hang_the_exit() -> None:
+    """A window's samples sent ahead (a lane post) larger than the pipe, the worker busy: the
+    loop closes with part of the frame unwritten, and the worker waits for the rest instead of
+    its exit request. Such a lane counts as unread: its worker is killed at exit."""
+    done = _run(HALF_WRITTEN_POST_AT_EXIT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
+
+
 STALE_LANE_RESULTS_ON_A_LATER_LOOP = textwrap.dedent(
     """
     import asyncio, io, logging

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from aioloader import AsyncDataLoader
+from aioloader import AsyncDataLoader, PoisonBatchError
+from aioloader._epoch import Epoch
 from tests import stream_sources as ss
 from tests.conftest import collect
 
@@ -108,3 +109,57 @@ async def test_batch_seeding_transforms_each_window_under_its_seed() -> None:
         ) as loader:
             runs.append(torch.cat(await collect(loader)))  # type: ignore[arg-type]
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("restarts", [1, 3])
+async def test_a_sample_that_kills_its_worker_ahead_and_again_is_a_poison_batch(
+    restarts: int,
+) -> None:
+    # The first death happens while sample 5 is transformed ahead, before its window is a task:
+    # it still counts against that window, so the window's own task killing the replacement
+    # makes it a poison batch, as when no sample goes ahead (not a second restart).
+    async with AsyncDataLoader(
+        ss.Slow(N, GAP),
+        batch_size=BATCH,
+        num_workers=2,
+        transform=ss.KillAlways(5),
+        max_worker_restarts=restarts,
+    ) as loader:
+        it = aiter(loader)
+        async with asyncio.timeout(60):
+            assert (await anext(it)).flatten().tolist() == [0, 1, 2, 3]
+            with (
+                pytest.warns(RuntimeWarning, match="transforming ahead batch send_idx=1") as warned,
+                pytest.raises(PoisonBatchError, match="send_idx=1") as info,
+            ):
+                await anext(it)
+        assert loader.stats().worker_restarts == 1
+    assert len(warned) == 1
+    assert len(info.value.indices) == BATCH  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_a_fast_source_that_yields_control_per_sample_sends_little_ahead(
+    num_workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its buffer runs dry at every sample, but the next one is there at once: a post per sample
+    # would halve the rate. Only a source that kept the window waiting gets samples sent ahead.
+    sent: list[int] = []
+    prefeed = Epoch.prefeed
+
+    def counting(self: Epoch, send_idx: int, worker_id: int | None, samples: Any) -> bool:
+        ok = prefeed(self, send_idx, worker_id, samples)
+        if ok:
+            sent.append(len(samples))
+        return ok
+
+    monkeypatch.setattr(Epoch, "prefeed", counting)
+    n = 2000
+    async with AsyncDataLoader(
+        ss.Yielding(n), batch_size=64, num_workers=num_workers, transform=ss.stamped
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    assert torch.cat([b["x"] for b in got]).flatten().tolist() == list(range(n))
+    # A stall of the loop (a loaded machine) may make one wait look long; a post per sample
+    # would be n of them.
+    assert len(sent) < n // 10, len(sent)
