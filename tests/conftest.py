@@ -58,11 +58,29 @@ def pytest_asyncio_loop_factories(
     return {"asyncio": asyncio.new_event_loop}
 
 
+#: Servers a session-scoped fixture keeps running until the whole run ends (the shared
+#: redis-server of ``redis_url``): children of this process, never a loader's workers.
+_session_servers: set[int] = set()
+
+
+@contextlib.contextmanager
+def session_server(pid: int) -> Iterator[None]:
+    """While the block runs, ``pid`` (and its children) is not counted by worker_processes()."""
+    _session_servers.add(pid)
+    try:
+        yield
+    finally:
+        _session_servers.discard(pid)
+
+
 def worker_processes() -> set[int]:
-    """Our descendant processes, less the stdlib's process-wide helpers (kept by design).
+    """Our descendant processes, less the stdlib's process-wide helpers (kept by design) and the
+    servers of session-scoped fixtures (see :func:`session_server`).
 
     The fork server and the resource tracker are started once and live as long as this process;
-    forkserver *workers* are children of the fork server and are counted.
+    forkserver *workers* are children of the fork server and are counted. A session fixture's
+    server is started by the first test that asks for it and stops at the end of the run: every
+    later test, whatever its module, would otherwise find it among its "workers".
     """
     out = set()
     for p in psutil.Process().children(recursive=True):
@@ -70,6 +88,8 @@ def worker_processes() -> set[int]:
             cmd = " ".join(p.cmdline())
             parent = p.ppid()
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        if p.pid in _session_servers or parent in _session_servers:
             continue
         if "resource_tracker" in cmd:
             continue

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from aioloader import AsyncDataLoader
+from tests.conftest import session_server, worker_processes
 from tests.redis_server import RedisServer
 
 redis = pytest.importorskip("redis", reason="the redis package is not installed ([redis] extra)")
@@ -41,10 +42,20 @@ def _server(persist: bool = False) -> RedisServer:
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     server = _server()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    # It lives until the run ends: the tests after this module's must not count it as a worker
+    # some loader left behind (worker_processes()).
+    with session_server(server.proc.pid):
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+def test_the_shared_server_is_no_worker(redis_url: str) -> None:
+    """The session's redis-server runs on after this module, through every later test: one that
+    asserts ``not worker_processes()`` (test_chaos's cancelled ``aclose()``, run after this file)
+    failed on it, blaming the loader for a process the tests themselves keep."""
+    assert not worker_processes()
 
 
 def produce(url: str, stream: str, n: int) -> list[str]:
