@@ -217,6 +217,7 @@ class Lane:
     def __init__(self, ctx: Any) -> None:
         self.call_r, self.call_w = ctx.Pipe(duplex=False)
         self.result_r, self.result_w = ctx.Pipe(duplex=False)
+        _remember(self.call_r, self.call_w, self.result_r, self.result_w)
         # Guards the futures' hand-over between the loop and a thread that fails them all:
         # whoever pops a future from _pending/_queued completes it.
         self._lock = threading.Lock()
@@ -604,6 +605,7 @@ class Executor(ProcessPoolExecutor):
         # a process of its own that a ^C must not interrupt in its start-up either.
         with _sigint_blocked():
             super().__init__(*args, **kwargs)
+        _remember(self._result_queue._writer)  # type: ignore[attr-defined]
         if lane:
             if self._max_workers != 1 or self._max_tasks_per_child is not None:  # type: ignore[attr-defined]
                 raise ValueError("a lane serves an executor of one process, never replaced")
@@ -1044,6 +1046,48 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+#: What each pipe end :func:`_close_foreign_result_pipes` may close was when it was made (the
+#: device and inode its number then referred to): see :func:`_close_in_child`.
+_identities: weakref.WeakKeyDictionary[Connection, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _remember(*conns: Connection) -> None:
+    """Record what these freshly made pipe ends refer to. Runs in: the thread that made them."""
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            st = os.fstat(conn.fileno())
+            _identities[conn] = (st.st_dev, st.st_ino)
+
+
+def _close_in_child(conn: Connection | None) -> None:
+    """In a forked child: close ``conn``'s descriptor if it is still the pipe end it was made as.
+
+    Another thread of the parent may have been inside ``conn.close()`` at the fork: past its
+    ``os.close()``, not yet clearing the number (the number is cleared only once the thread gets
+    the GIL back, which on a loaded machine can take several switch intervals). That number may
+    already be reused by the thread that forked, e.g. for the pipes multiprocessing opens for the
+    new process itself: closing it here made the new worker exit with status 1, silently, before
+    its initializer ran (multiprocessing's own close of that pipe failed with EBADF). A number that
+    no longer refers to the same pipe is only forgotten, never closed, here or by a later close.
+    """
+    if conn is None:
+        return
+    fd = getattr(conn, "_handle", None)
+    if fd is None:  # closed already
+        return
+    ident = _identities.get(conn)
+    try:
+        st = os.fstat(fd)
+        same = ident is None or (st.st_dev, st.st_ino) == ident
+    except OSError:
+        same = False
+    if same:
+        with contextlib.suppress(OSError):
+            conn.close()
+    else:
+        conn._handle = None  # type: ignore[attr-defined]
+
+
 def _close_foreign_result_pipes() -> None:
     """In a forked child: close the write end of every other executor's result pipe.
 
@@ -1051,7 +1095,7 @@ def _close_foreign_result_pipes() -> None:
     reading the rest; only EOF, once every holder of the write end has closed it, frees it. A
     process forked later (a worker of another pool, under the fork start method) inherited that
     write end and kept the thread waiting for ever. Runs right after a fork, in the child, with no
-    other thread: no lock is taken.
+    other thread: no lock is taken. Each end is checked first (see :func:`_close_in_child`).
     """
     mine = getattr(_forking_now, "executor", None)
     for ex in list(_alive):
@@ -1063,15 +1107,11 @@ def _close_foreign_result_pipes() -> None:
             if ex is not mine:
                 ends += [lane.call_r, lane.result_w]
             for conn in ends:
-                with contextlib.suppress(Exception):  # closed already
-                    conn.close()
+                _close_in_child(conn)
         if ex is mine:
             continue  # this worker's own results go there
         queue = getattr(ex, "_result_queue", None)
-        writer = getattr(queue, "_writer", None)
-        if writer is not None:
-            with contextlib.suppress(Exception):  # closed already
-                writer.close()
+        _close_in_child(getattr(queue, "_writer", None))
 
 
 os.register_at_fork(after_in_child=_close_foreign_result_pipes)

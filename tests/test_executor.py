@@ -822,3 +822,52 @@ async def test_lane_posts_run_in_order_with_tasks_and_send_nothing_back() -> Non
     finally:
         await asyncio.to_thread(ex.shutdown, True)
     assert not ex.post(_note, 4)  # shut down: nothing is sent
+
+
+def test_a_fork_during_another_threads_pipe_close_leaves_the_new_worker_alone() -> None:
+    """A worker forked while another thread is inside ``Connection.close()`` of another
+    executor's pipe end (Lane.started closing its worker's ends, as two epochs' pools start at
+    once): that thread has closed the descriptor but not yet cleared the connection's number,
+    and the fork reused the number for the new process's own pipe. The child's at-fork handler
+    closed that stale number, i.e. the new worker's own pipe, and the worker exited with status
+    1 before its initializer ran, printing nothing (multiprocessing's fork start failed on its
+    own close of that pipe)."""
+    ctx = multiprocessing.get_context("fork")
+    other = Executor(max_workers=1, mp_context=ctx, lane=True)
+    ex = Executor(max_workers=1, mp_context=ctx, lane=True)
+    assert other._lane is not None
+    conn = other._lane.call_r
+    fd = conn.fileno()
+    closed, resume = threading.Event(), threading.Event()
+    parent = os.getpid()
+
+    def close_slowly() -> None:  # Connection.close() clears its number once this returns
+        os.close(fd)
+        if os.getpid() == parent:  # not in the child's at-fork handler
+            closed.set()
+            resume.wait(30)
+
+    conn._close = close_slowly  # type: ignore[attr-defined]
+    closer = threading.Thread(target=conn.close, name="test-closer")
+    closer.start()
+    holes: list[int] = []
+    try:
+        assert closed.wait(30)
+        # Every lower number taken: the next pipe (the new worker's first one) gets ``fd``.
+        while (h := os.open(os.devnull, os.O_RDONLY)) < fd:
+            holes.append(h)
+        os.close(h)
+        assert h == fd
+        ex.start_workers()
+        for h in holes:
+            os.close(h)
+        holes.clear()
+        (proc,) = ex.processes()
+        assert ex.submit(os.getpid).result(30) == proc.pid
+    finally:
+        for h in holes:
+            os.close(h)
+        resume.set()
+        closer.join(30)
+        ex.shutdown(wait=True)
+        other.close_unstarted()
