@@ -509,6 +509,39 @@ class Lane:
         self._in.clear()
 
 
+class _LockedWakeup(_private._ThreadWakeup):  # type: ignore[misc]
+    """The executor's manager-thread wakeup pipe, with ``wakeup()`` and ``close()`` serialised.
+
+    CPython (3.11-3.13.0 at least) calls ``wakeup()`` from its interpreter-exit hook
+    (``concurrent.futures.process._python_exit``) without any lock, while the manager thread may
+    be closing the same pipe (``join_executor_internals``, under the executor's lock only):
+    ``wakeup()`` sees the pipe open, the manager thread closes it, and the write then fails with
+    ``OSError`` ("handle is closed", or ``EBADF`` when the descriptor is closed but its number
+    not yet cleared), or writes into whatever reused that number. A multiprocessing child with
+    a loader left open hits this at its exit: our finalizer SIGKILLs the workers just before,
+    so the manager thread is tearing the pool down exactly then, and the child exited with
+    status 1. A per-pipe lock closes that window (what later CPython versions do). The executor's
+    own pipe object gets this class (``__class__`` set once, before its manager thread starts),
+    so the call queue and the exit hook keep referring to it.
+    """
+
+    _wakeup_lock: threading.Lock
+
+    def close(self) -> None:
+        with self._wakeup_lock:
+            super().close()
+
+    def wakeup(self) -> None:
+        with self._wakeup_lock:
+            super().wakeup()
+
+
+def _lock_wakeup(wakeup: Any) -> None:
+    if wakeup is not None and type(wakeup) is _private._ThreadWakeup:
+        wakeup._wakeup_lock = threading.Lock()
+        wakeup.__class__ = _LockedWakeup
+
+
 class _LaneCallQueue(_private._SafeQueue):  # type: ignore[misc]
     """The call queue of an executor with a :class:`Lane`: in the worker, ``get()`` serves the
     lane's tasks while it waits for the queue's next item.
@@ -606,6 +639,7 @@ class Executor(ProcessPoolExecutor):
         with _sigint_blocked():
             super().__init__(*args, **kwargs)
         _remember(self._result_queue._writer)  # type: ignore[attr-defined]
+        _lock_wakeup(getattr(self, "_executor_manager_thread_wakeup", None))
         if lane:
             if self._max_workers != 1 or self._max_tasks_per_child is not None:  # type: ignore[attr-defined]
                 raise ValueError("a lane serves an executor of one process, never replaced")
@@ -1016,6 +1050,12 @@ def close_pipes(queues: Sequence[Any]) -> None:
     descriptors per queue; a service with the collector off gained four per epoch). Called once
     every process and thread that used them is gone."""
     for q in queues:
+        if isinstance(q, _private._ThreadWakeup):
+            # Its own close(): it marks the pipe closed, so a later wakeup() (concurrent.futures'
+            # exit hook) skips it instead of failing on a closed connection.
+            with contextlib.suppress(Exception):
+                q.close()
+            continue
         for name in ("_reader", "_writer"):
             conn = getattr(q, name, None)
             if conn is not None:

@@ -871,3 +871,59 @@ def test_a_fork_during_another_threads_pipe_close_leaves_the_new_worker_alone() 
         closer.join(30)
         ex.shutdown(wait=True)
         other.close_unstarted()
+
+
+def test_the_exit_hooks_wakeup_never_writes_into_a_pipe_the_manager_thread_closes() -> None:
+    """concurrent.futures' interpreter-exit hook (``_python_exit``) calls ``wakeup()`` on every
+    manager thread's wakeup pipe with no lock, while that thread may be closing the pipe (a
+    multiprocessing child with a persistent loader left open: our exit finalizer SIGKILLs the
+    workers just before, so the manager thread tears the pool down right then). ``wakeup()``
+    saw the pipe open, the thread closed the descriptor, and the write failed with EBADF: the
+    child exited with status 1. Here the waker is held between its check and its write."""
+    ctx = multiprocessing.get_context("fork")
+    ex = Executor(max_workers=1, mp_context=ctx)
+    ex.start_workers()
+    assert ex.submit(os.getpid).result(30) != os.getpid()
+    wakeup: Any = ex._executor_manager_thread_wakeup  # type: ignore[attr-defined]
+    writer = wakeup._writer
+    thread: Any = ex._executor_manager_thread  # type: ignore[attr-defined]
+    fd = writer.fileno()
+    waker_in, fd_closed, waker_done = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    real_send = writer._send_bytes
+
+    def send_late(buf: Any) -> None:  # past wakeup()'s "not closed" check
+        if threading.current_thread().name == "test-waker":
+            waker_in.set()
+            fd_closed.wait(1.0)  # with the fix the close waits for us: this times out
+        real_send(buf)
+
+    def close_slowly() -> None:  # the number is cleared only once this returns
+        os.close(fd)
+        fd_closed.set()
+        waker_done.wait(30)
+
+    def wake() -> None:
+        try:
+            wakeup.wakeup()  # as _python_exit does
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            waker_done.set()
+
+    writer._send_bytes = send_late
+    writer._close = close_slowly
+    waker = threading.Thread(target=wake, name="test-waker")
+    waker.start()
+    try:
+        assert waker_in.wait(30)
+        ex.shutdown(wait=False)  # the manager thread closes the pipe on its way out
+        waker.join(30)
+        thread.join(30)
+        assert not thread.is_alive()
+        assert errors == []
+        assert wakeup._closed and writer.closed
+    finally:
+        waker_done.set()
+        waker.join(30)
+        ex.shutdown(wait=True)
