@@ -261,14 +261,9 @@ class Lane:
         Raises ``BrokenProcessPool`` once the pool broke and ``RuntimeError`` once closed, as
         ``ProcessPoolExecutor.submit`` does; a task that cannot be pickled fails its future.
         """
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._attach(loop)
         fut: Future[Any] = Future()
         try:
-            # multiprocessing's pickler, as the executor's own queue uses: its reductions
-            # (connections, sockets, shared tensors) must hold on this path too.
-            data = bytes(ForkingPickler.dumps((fn, args), pickle.HIGHEST_PROTOCOL))
+            data = self._encode(fn, args)
         except Exception as exc:  # as the executor's feeder thread reports it: on the future
             fut.set_exception(exc)
             return fut
@@ -285,11 +280,8 @@ class Lane:
         """Queue ``fn(*args)`` for the worker with no reply and no future, in order with the
         tasks. Runs in: the event loop it serves. False (nothing sent) if it cannot be pickled or
         the lane is broken or closed: a post is only ever an optimisation."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._attach(loop)
         try:
-            data = bytes(ForkingPickler.dumps((fn, args), pickle.HIGHEST_PROTOCOL))
+            data = self._encode(fn, args)
         except Exception:
             return False
         with self._lock:
@@ -298,6 +290,15 @@ class Lane:
             self._queued.append((_POST_ID, None, data))
         self._pump()
         return True
+
+    def _encode(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+        """Attach to the running loop if it is a new one, and pickle ``(fn, args)``."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._attach(loop)
+        # multiprocessing's pickler, as the executor's own queue uses: its reductions
+        # (connections, sockets, shared tensors) must hold on this path too.
+        return bytes(ForkingPickler.dumps((fn, args), pickle.HIGHEST_PROTOCOL))
 
     def serves(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether :meth:`submit` may run on ``loop``: not while another loop that watches the

@@ -156,10 +156,10 @@ class SampleCollator:
             done = self._ahead.pop(ahead[0], None) if ahead is not None else None
             if isinstance(done, BaseException):
                 raise done
-            if done is not None and len(done) == ahead[1]:  # type: ignore[index]
-                samples = done + [transform(s) for s in samples[len(done) :]]
-            else:
-                samples = [transform(s) for s in samples]
+            # Results kept for fewer or more samples than went ahead (a replacement worker after
+            # a crash holds none): transform every sample again.
+            kept = done if done is not None and len(done) == ahead[1] else []  # type: ignore[index]
+            samples = kept + [transform(s) for s in samples[len(kept) :]]
         try:
             if auto_collation:
                 return collate_fn(samples)
