@@ -177,9 +177,10 @@ class WorkerPool:
         self._ready_slots: Any = ctx.RawArray(ctypes.c_ubyte, [0] * self.num_workers)
         # One per worker id: large tensors' descriptors travel with the results, not through a
         # connection from the main process to each worker per batch (see _transport).
+        # Batch buffers any worker can reuse once the consumer drops a batch (see _transport).
+        self._buffers = _transport.BufferPool(self.num_workers, ctx.RawArray)
         self._channels = [
-            _transport.FdChannel(ctx.RawArray(ctypes.c_ubyte, _transport.POOL_SLOTS))
-            for _ in range(self.num_workers)
+            _transport.FdChannel(self._buffers, wid) for wid in range(self.num_workers)
         ]
         self._closed = False
         self._owns_payload = True
@@ -615,6 +616,7 @@ class WorkerPool:
             self._remove_payload()
             for ch in self._channels:
                 ch.close()
+            self._buffers.close()
             # Every worker and the manager threads are gone: their queues' named semaphores and
             # pipes can go now (see there).
             release_semaphores(self._call_queues + self._result_queues)

@@ -24,6 +24,7 @@ Two directions, two policies:
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
 import copyreg
 import ctypes
@@ -35,6 +36,7 @@ import mmap
 import os
 import pickle
 import secrets
+import select
 import socket
 import struct
 import sys
@@ -98,16 +100,14 @@ class FdChannel:
     #: Messages kept for results not unpickled yet; beyond this the oldest are closed.
     MAX_PENDING = 64
 
-    def __init__(self, in_use: Any = None) -> None:
-        """``in_use``: a shared byte array of :data:`POOL_SLOTS` (``ctx.RawArray``) that turns
-        on the worker's pool of reused batch buffers; None leaves it off."""
+    def __init__(self, pool: BufferPool | None = None, wid: int = 0) -> None:
+        """``pool``: the batch buffers worker ``wid`` shares with the other workers of its pool
+        (see :class:`BufferPool`); None turns buffer reuse off."""
         self.key = secrets.randbits(62)
-        self.in_use = in_use
-        # Batches built in the worker's pool and still alive here: token -> (weak reference to
-        # the storage, pool slot). Whoever pops a token (the storage's finaliser or
-        # release_dropped, on any thread) frees the slot: dict.pop is atomic, so exactly once.
-        self._outstanding: dict[int, tuple[Any, int]] = {}
-        self._tokens = itertools.count()
+        self.pool = pool
+        self.wid = wid
+        #: Pool buffers this worker was sent the descriptor of: slot -> generation.
+        self.known: dict[int, int] = {}
         self.main_end, self.worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.main_end.setblocking(False)
         self._lock = threading.Lock()
@@ -115,52 +115,14 @@ class FdChannel:
         self._pending: dict[tuple[int, int], list[list[int]]] = {}
         self._npending = 0
         _channels[self.key] = self
+        if pool is not None:
+            pool.attach(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the worker's end travels to a worker (spawn/forkserver pass the descriptor).
-        return (_WorkerEnd, (self.key, self.worker_end, self.in_use))
-
-    def track_pooled(self, storage: torch.UntypedStorage, slot: int) -> None:
-        """``storage`` maps the worker's pool buffer ``slot``: free it once no tensor uses it.
-
-        The slot is freed the moment the last tensor or view of ``storage`` in this process goes
-        (a finaliser on the storage, run by whichever thread drops it), so the worker's next
-        batch can reuse it; :meth:`release_dropped` is the fallback if the finaliser cannot
-        tell (see :func:`_sole_holder_count`).
-        """
-        ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-        token = next(self._tokens)
-        self._outstanding[token] = (ref, slot)
-        limit = _sole_holder_count()
-        if limit >= 0:
-            # Not a bound method: a batch kept after aclose() must not keep the channel alive.
-            fin = weakref.finalize(
-                storage,
-                _release_if_sole,
-                self._outstanding,
-                self.in_use,
-                token,
-                limit,
-                os.getpid(),
-            )
-            fin.atexit = False  # at exit the batch may still be alive: nothing to hand back
-
-    def release_dropped(self) -> None:
-        """Hand back to the worker every pool buffer no tensor of this process uses any more.
-
-        A storage's weak reference expires only once every tensor and view of it is gone, so a
-        buffer is never rewritten while anything here can read it. Called with every result
-        received, as a fallback: the storages' finalisers normally hand buffers back sooner.
-        """
-        in_use = self.in_use
-        if in_use is None:
-            return
-        # Finalisers may pop entries meanwhile, on any thread or inside a garbage collection.
-        # dict.copy() copies in one step that allocates no object per entry, so no collection
-        # (Python 3.11 may run one on any allocation) can change the dict half-way through it.
-        for token, (ref, slot) in self._outstanding.copy().items():
-            if ref.expired() and self._outstanding.pop(token, None) is not None:
-                in_use[slot] = 0
+        pool = self.pool
+        shared = None if pool is None else (pool.state, pool.gens)
+        return (_WorkerEnd, (self.key, self.worker_end, self.wid, shared))
 
     def close_worker_end(self) -> None:
         """Close the main process's copy of the worker's end, once the worker has started."""
@@ -254,91 +216,456 @@ def _sole_holder_count() -> int:
     return _sole_holder
 
 
-def _release_if_sole(
-    outstanding: dict[int, tuple[Any, int]], in_use: Any, token: int, limit: int, pid: int
-) -> None:
+def _release_if_sole(pool_ref: weakref.ref[BufferPool], token: int, limit: int, pid: int) -> None:
     # A storage's finaliser: free its pool slot if nothing else holds the storage any more.
     # Runs on whichever thread dropped the last tensor, possibly inside garbage collection, so
-    # it takes no lock.
+    # it waits for no lock.
     if os.getpid() != pid:
         # A forked child inherited the batch and drops its copy: the parent's may still be in
-        # use, and the slot is shared memory that the worker would then overwrite.
+        # use, and the slot is shared memory that a worker would then overwrite.
         return
-    entry = outstanding.get(token)
+    pool = pool_ref()
+    if pool is None:
+        return
+    entry = pool.outstanding.get(token)
     if entry is None or torch._C._storage_Use_Count(entry[0].cdata) > limit:
         return
-    if outstanding.pop(token, None) is not None:
-        in_use[entry[1]] = 0
+    if pool.outstanding.pop(token, None) is not None:
+        pool.release(entry[1])
 
 
-#: Reused batch buffers per worker, at most. A batch that finds none free (the consumer and the
-#: queue hold them all) is collated into a fresh segment, as torch does.
-POOL_SLOTS = 3
-
-#: A worker keeps more than one buffer only while they fit in this many bytes together: a
-#: buffer stays resident while the worker lives, in use or not. On the ``big`` workload (38.5 MB
-#: batches, 2 workers, batches built sample by sample, buffers handed back as the consumer drops
-#: them; ``--quick``, shared 2-core machine) 1 buffer gave 1.3-1.9x torch's throughput at
-#: 0.85-1.10x its peak memory (PSS of the process tree); 2 gave 2.3-3.2x at 1.11-1.25x; 3 gave
-#: 2.7-3.5x at 1.13-1.23x; none (a fresh segment per batch) 1.0-1.7x at 0.77-0.86x.
+#: A worker pool keeps ``num_workers + 1`` batch buffers (one with the consumer, one being built
+#: per worker), and more while they fit in ``num_workers *`` this many bytes together, up to
+#: :data:`MAX_SLOTS_PER_WORKER` per worker. A buffer stays resident while the pool lives, in use
+#: or not. On the ``big`` workload (38.5 MB batches, 2 workers, 3 runs): one buffer per worker
+#: gave 1.9-2.2x torch's throughput at 0.93-0.97x its peak memory (PSS of the process tree), two
+#: per worker 2.5-3.2x at 1.10-1.14x (a worker's own buffer was often still with the consumer
+#: while the other's sat idle); 3 shared buffers 3.25-3.29x at 0.94-0.95x, and 4 shared ones
+#: 3.0-3.2x at 1.04-1.13x.
 POOL_BYTES = 64 * 1024 * 1024
 
+#: Upper bound of a pool's buffers per worker (small batches).
+MAX_SLOTS_PER_WORKER = 3
 
-def pool_slots(nbytes: int) -> int:
-    """How many buffers of ``nbytes`` a worker keeps: 1 to :data:`POOL_SLOTS`, within
-    :data:`POOL_BYTES` when more than one."""
-    return max(1, min(POOL_SLOTS, POOL_BYTES // max(nbytes, 1)))
+#: How long a worker waits for a pool buffer when the pool is at its budget, before it builds
+#: its batch in a fresh segment instead (and stops waiting until buffers come back).
+WAIT_FOR_BUFFER_S = 0.05
+
+#: The same, for the earliest batch being loaded: the consumer may be waiting for it.
+WAIT_FOR_BUFFER_FIRST_S = 0.005
+
+# BufferPool.state values.
+_EMPTY = 0  # no buffer in this slot
+_BUSY = 1  # a worker builds a batch in it, or the batch is in flight or with the consumer
+_SPARE = 2  # free: its token is in the pool's token pipe
+_RETURNED = 3  # a worker found it too small for its batch: the main process lets it go
+
+# Worker -> main: a tensor's storage is a batch buffer the worker made for this result (not
+# user memory), which the main process may keep for reuse once the consumer drops it.
+_ADOPTABLE = -2
+
+_ANNOUNCE = struct.Struct("=qqq")  # main -> worker: (slot, generation, nbytes) + descriptor(s)
+_TOKEN = struct.Struct("=ii")  # (slot, generation): one free buffer, in the token pipe
+_TOKEN_PIPE = -1  # the announced "slot" of the token pipe's two ends
+
+
+class BufferPool:
+    """Batch buffers in shared memory that the workers of one pool take turns to fill.
+
+    Main-process side. A buffer starts as a fresh segment that a worker built a batch in;
+    when the consumer drops that batch, the main process keeps the segment (up to the pool's
+    budget) instead of freeing it, and any worker's next batch may reuse it. Reused pages are
+    neither allocated nor zero-filled again.
+
+    Each free buffer has one token, ``(slot, generation)``, in a pipe that every worker of
+    the pool reads: a read of a token is atomic, so exactly one worker takes a buffer, with no
+    lock that a killed worker could leave held. The main process writes a buffer's token
+    once the last tensor using its batch is gone (a finaliser on the storage, on whichever
+    thread drops it). Every worker is sent a buffer's descriptor once, on its channel, when
+    the buffer joins the pool; a token whose generation is not the slot's current one is
+    stale (the buffer left the pool) and is dropped by the worker that reads it.
+    """
+
+    def __init__(self, num_workers: int, raw_array: Callable[..., Any] | None = None) -> None:
+        make = raw_array if raw_array is not None else _raw_array
+        self.num_workers = max(1, num_workers)
+        self.capacity = self.num_workers * MAX_SLOTS_PER_WORKER
+        # One byte per slot, and a last one: 1 while the pool is at its budget (a fresh buffer
+        # would not be kept), so that a worker waits for a buffer rather than make one.
+        self.state: Any = make(ctypes.c_ubyte, [_EMPTY] * (self.capacity + 1))
+        self.gens: Any = make(ctypes.c_int, [0] * self.capacity)
+        self.channels: list[FdChannel] = []
+        # Batches in pool buffers still alive here: token -> (weak reference to the storage,
+        # slot). Whoever pops an entry (the storage's finaliser or release_dropped, on any
+        # thread) frees the slot: dict.pop is atomic, so exactly once.
+        self.outstanding: dict[int, tuple[Any, int]] = {}
+        self._entries = itertools.count()
+        self._fds = [-1] * self.capacity  # the main process's own descriptor of each buffer
+        # What each of our descriptors referred to when made (device, inode): see
+        # close_inherited().
+        self._ids: dict[int, tuple[int, int]] = {}
+        self._nbytes = [0] * self.capacity
+        self._wanted = 0  # the largest buffer that found the pool full
+        self._freed: collections.deque[int] = collections.deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.tokens_r, self.tokens_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._remember(self.tokens_r, self.tokens_w)
+        _pools.add(self)
+
+    def attach(self, channel: FdChannel) -> None:
+        """Send worker ``channel.wid`` the token pipe and the buffers, on its channel."""
+        with self._lock:
+            self.channels.append(channel)
+            self._send(channel, _TOKEN_PIPE, 0, 0, [self.tokens_r, self.tokens_w])
+            for s in range(self.capacity):
+                if self._fds[s] >= 0:
+                    self._announce(channel, s)
+
+    def adopt(self, channel: FdChannel, fd: int, nbytes: int) -> int:
+        """Keep a worker's fresh batch buffer for reuse once its batch is dropped: its slot, or
+        -1 (over budget, or smaller than the pool's buffers: it goes when its batch goes)."""
+        with self._lock:
+            if self._closed:
+                return -1
+            used = [s for s in range(self.capacity) if self._fds[s] >= 0]
+            budget = POOL_BYTES * self.num_workers
+            pooled = sum(self._nbytes[s] for s in used)
+            if len(used) == self.capacity or (
+                len(used) > self.num_workers and pooled + nbytes > budget
+            ):
+                self._wanted = max(self._wanted, nbytes)
+                self.state[self.capacity] = 1
+                return -1
+            if used and nbytes < max(self._nbytes[s] for s in used):
+                return -1  # a short last batch, say: keep the pool's buffers one size
+            try:
+                dup = os.dup(fd)
+            except OSError:
+                return -1
+            slot = next(s for s in range(self.capacity) if self._fds[s] < 0)
+            self._remember(dup)
+            self._fds[slot] = dup
+            self._nbytes[slot] = nbytes
+            self.gens[slot] += 1
+            self.state[slot] = _BUSY
+            for ch in self.channels:
+                self._announce(ch, slot)
+            return slot
+
+    def track(self, storage: torch.UntypedStorage, slot: int) -> None:
+        """``storage`` maps buffer ``slot``: free it once no tensor uses it.
+
+        The slot is freed the moment the last tensor or view of ``storage`` in this process goes
+        (a finaliser on the storage), so a worker's next batch can reuse it;
+        :meth:`release_dropped` is the fallback if the finaliser cannot tell (see
+        :func:`_sole_holder_count`).
+        """
+        ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        entry = next(self._entries)
+        self.outstanding[entry] = (ref, slot)
+        limit = _sole_holder_count()
+        if limit >= 0:
+            # A weak reference: a batch kept after aclose() must not keep the pool alive.
+            fin = weakref.finalize(
+                storage, _release_if_sole, weakref.ref(self), entry, limit, os.getpid()
+            )
+            fin.atexit = False  # at exit the batch may still be alive: nothing to hand back
+
+    def release(self, slot: int) -> None:
+        """The batch in ``slot`` is gone: the buffer is free. Any thread, any time."""
+        self._freed.append(slot)
+        self.hand_out()
+
+    def release_dropped(self) -> None:
+        """Free every pool buffer no tensor of this process uses any more.
+
+        A storage's weak reference expires only once every tensor and view of it is gone, so a
+        buffer is never rewritten while anything here can read it. Called with every result
+        received, as a fallback: the storages' finalisers normally free buffers sooner.
+        """
+        # Finalisers may pop entries meanwhile, on any thread or inside a garbage collection.
+        # dict.copy() copies in one step that allocates no object per entry, so no collection
+        # (Python 3.11 may run one on any allocation) can change the dict half-way through it.
+        for entry, (ref, slot) in self.outstanding.copy().items():
+            if ref.expired() and self.outstanding.pop(entry, None) is not None:
+                self._freed.append(slot)
+        self.hand_out()
+
+    def hand_out(self) -> None:
+        """Put the freed buffers' tokens in the pipe; let go of buffers too small for the
+        batches now.
+
+        Never waits: a finaliser may call this inside a garbage collection on a thread that
+        already holds the lock, and then leaves the work to the next call (every result's
+        arrival makes one).
+        """
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed:
+                return
+            state = self.state
+            for s in range(self.capacity):
+                if state[s] == _RETURNED:
+                    self._evict(s)
+            while self._freed:
+                s = self._freed.popleft()
+                if self._nbytes[s] < self._wanted:
+                    self._evict(s)  # make room for a bigger one
+                    continue
+                state[s] = _SPARE
+                with contextlib.suppress(OSError):  # the pipe holds thousands: never full
+                    os.write(self.tokens_w, _TOKEN.pack(s, self.gens[s]))
+            for ch in self.channels:  # announcements that did not fit in a channel before
+                for s in range(self.capacity):
+                    if self._fds[s] >= 0:
+                        self._announce(ch, s)
+        finally:
+            self._lock.release()
+
+    def _announce(self, channel: FdChannel, slot: int) -> None:
+        # Send worker ``channel.wid`` the buffer's descriptor, unless it has it already.
+        gen = int(self.gens[slot])
+        if channel.known.get(slot) != gen and self._send(
+            channel, slot, gen, self._nbytes[slot], [self._fds[slot]]
+        ):
+            channel.known[slot] = gen
+
+    @staticmethod
+    def _send(channel: FdChannel, slot: int, gen: int, nbytes: int, fds: list[int]) -> bool:
+        try:
+            channel.main_end.sendmsg(
+                [_ANNOUNCE.pack(slot, gen, nbytes)],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+            )
+        except OSError:  # its channel is full (a worker that does not read) or closed
+            return False
+        return True
+
+    def _evict(self, slot: int) -> None:
+        # Its token, if any, is stale now; workers drop their mapping when they see the
+        # generation change, and the memory goes with the last mapping.
+        with contextlib.suppress(OSError):
+            os.close(self._fds[slot])
+        self._ids.pop(self._fds[slot], None)
+        self._fds[slot] = -1
+        self._nbytes[slot] = 0
+        self.gens[slot] += 1
+        self.state[slot] = _EMPTY
+        self.state[self.capacity] = 0
+
+    def _remember(self, *fds: int) -> None:
+        for fd in fds:
+            st = os.fstat(fd)
+            self._ids[fd] = (st.st_dev, st.st_ino)
+
+    def close_inherited(self) -> None:
+        """In a forked child: close the main process's descriptors, so that no buffer lives on
+        in a process that does not use it (the pool's own workers are sent what they need on
+        their channels).
+
+        A descriptor is closed only if it still refers to what it was made for: a thread of the
+        parent may have been closing it at the fork, and its number may be reused since.
+        """
+        for fd in [*self._fds, self.tokens_r, self.tokens_w]:
+            ident = self._ids.get(fd)
+            if fd < 0 or ident is None:
+                continue
+            with contextlib.suppress(OSError):
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == ident:
+                    os.close(fd)
+        self._fds = [-1] * self.capacity
+        self._ids = {}
+        self.tokens_r = self.tokens_w = -1
+        self._closed = True
+
+    def close(self) -> None:
+        """Close the main process's descriptors: each buffer goes once its last user is gone."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in [*self._fds, self.tokens_r, self.tokens_w]:
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._fds = [-1] * self.capacity
+            self._ids = {}
+            self.tokens_r = self.tokens_w = -1
+            self.outstanding.clear()
+        _pools.discard(self)
+
+
+_pools: weakref.WeakSet[BufferPool] = weakref.WeakSet()
+
+
+def _close_pools_in_child() -> None:
+    # Runs right after a fork, in the child, with no other thread.
+    for pool in list(_pools):
+        pool.close_inherited()
+
+
+os.register_at_fork(after_in_child=_close_pools_in_child)
+
+
+def _raw_array(typecode: Any, init: list[int]) -> Any:
+    from multiprocessing.sharedctypes import RawArray
+
+    return RawArray(typecode, init)
 
 
 class _WorkerEnd:
-    """A worker's side of its :class:`FdChannel`, and its pool of reused batch buffers."""
+    """A worker's side of its :class:`FdChannel`, and its view of the shared batch buffers."""
 
-    def __init__(self, key: int, sock: socket.socket, in_use: Any = None) -> None:
+    def __init__(
+        self, key: int, sock: socket.socket, wid: int = 0, shared: tuple[Any, Any] | None = None
+    ) -> None:
         self.key = key
         self.sock = sock
-        self.in_use = in_use  # in_use[slot] is 1 from acquire() until the main process frees it
-        self.pool: list[torch.UntypedStorage | None] = [None] * POOL_SLOTS
-        self.slot_of: dict[int, int] = {}  # a pool storage's data_ptr -> its slot
+        self.wid = wid
+        # BufferPool.state and .gens: slot states, and each slot's buffer generation
+        self.state: Any = None
+        self.gens: Any = None
+        if shared is not None:
+            self.state, self.gens = shared
+        self.tokens: tuple[int, int] | None = None  # the token pipe's ends, once announced
+        self.patient = True  # wait for a buffer when the pool is at its budget
+        self.mapped: dict[int, tuple[int, torch.UntypedStorage]] = {}  # slot -> (gen, buffer)
+        self.slot_of: dict[int, int] = {}  # a pool buffer's data_ptr -> its slot
         self.unsent: list[int] = []  # slots acquired for the current task, not sent yet
+        #: data_ptrs of fresh batch buffers made for the current task (see :data:`_ADOPTABLE`).
+        self.fresh: set[int] = set()
 
     def acquire(self, nbytes: int) -> torch.UntypedStorage | None:
-        """A shared-memory buffer of at least ``nbytes`` no one else uses, or None (use a fresh
-        one). Its pages are reused from an earlier batch: no allocation, no zero-filling."""
-        in_use = self.in_use
-        if in_use is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":  # type: ignore[no-untyped-call]
+        """A free pool buffer of at least ``nbytes``, or None (make a fresh one). Its pages are
+        reused from an earlier batch: no allocation, no zero-filling."""
+        if self.state is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":  # type: ignore[no-untyped-call]
             return None
-        usable = pool_slots(nbytes)
-        for i in range(usable, POOL_SLOTS):
-            if self.pool[i] is not None and not in_use[i]:
-                # Kept for smaller batches: over the budget at this size, so give its memory back.
-                self._drop(i)
-        free = [i for i in range(usable) if not in_use[i]]
-        if not free:
+        self._receive()
+        if self.tokens is None:
             return None
-        fits = [i for i in free if (st := self.pool[i]) is not None and st.nbytes() >= nbytes]
-        slot = fits[0] if fits else free[0]
-        storage = self.pool[slot]
-        if storage is None or storage.nbytes() < nbytes:
-            self._drop(slot)
-            storage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
-            self.pool[slot] = storage
-            self.slot_of[storage.data_ptr()] = slot
-        in_use[slot] = 1
-        self.unsent.append(slot)
-        return storage
+        gens = self.gens
+        for slot, (gen, _) in list(self.mapped.items()):
+            if gens[slot] != gen:
+                self._forget(slot)  # evicted: its memory goes once no one maps it
+        found = self._take(nbytes)
+        patience = _buffer_wait
+        if found < 0 and self.state[-1] and self.patient and patience is not None:
+            # The pool is at its budget and every buffer is in use: one comes back as soon as
+            # the consumer drops a batch, and a fresh segment would add a batch of memory.
+            # A consumer that keeps its batches gives none back: then stop waiting, until a
+            # buffer is free again when asked for.
+            if select.select([self.tokens[0]], [], [], patience())[0]:
+                found = self._take(nbytes)
+            else:
+                self.patient = False
+        elif found >= 0:
+            self.patient = True
+        if found < 0:
+            return None
+        self.state[found] = _BUSY
+        self.unsent.append(found)
+        return self.mapped[found][1]
 
-    def _drop(self, slot: int) -> None:
-        storage = self.pool[slot]
-        if storage is not None:
-            del self.slot_of[storage.data_ptr()]
-            self.pool[slot] = None
+    def _take(self, nbytes: int) -> int:
+        # A free buffer's slot from the token pipe, or -1.
+        assert self.tokens is not None
+        gens = self.gens
+        unmapped: list[bytes] = []
+        found = -1
+        try:
+            while found < 0:
+                try:
+                    token = os.read(self.tokens[0], _TOKEN.size)
+                except BlockingIOError:
+                    break
+                if len(token) != _TOKEN.size:
+                    break
+                slot, gen = _TOKEN.unpack(token)
+                if gens[slot] != gen:
+                    continue  # stale: the buffer left the pool
+                entry = self.mapped.get(slot)
+                if entry is None or entry[0] != gen:
+                    unmapped.append(token)  # announced to us too late: another worker's
+                elif entry[1].nbytes() < nbytes:
+                    self.state[slot] = _RETURNED  # too small for these batches now
+                else:
+                    found = slot
+        finally:
+            for token in unmapped:
+                with contextlib.suppress(OSError):
+                    os.write(self.tokens[1], token)
+        return found
+
+    def _receive(self) -> None:
+        # What the main process announced since the last call: the token pipe, and buffers,
+        # mapped now.
+        while True:
+            fds = array.array("i")
+            try:
+                msg, anc, flags, _ = self.sock.recvmsg(
+                    _ANNOUNCE.size,
+                    socket.CMSG_SPACE(2 * fds.itemsize),
+                    socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC,
+                )
+            except OSError:  # none left (or the channel is closed)
+                return
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+            got = list(fds)
+            if len(msg) != _ANNOUNCE.size or flags & socket.MSG_CTRUNC:
+                _close_all(got)
+                return
+            slot, gen, nbytes = _ANNOUNCE.unpack(msg)
+            if slot == _TOKEN_PIPE:
+                if len(got) == 2 and self.tokens is None:
+                    self.tokens = (got[0], got[1])
+                else:
+                    _close_all(got)
+                continue
+            self._forget(slot)
+            if len(got) == 1:
+                try:
+                    storage = torch.UntypedStorage._new_shared_fd_cpu(got[0], nbytes)  # type: ignore[attr-defined]
+                except RuntimeError:  # out of descriptors or address space: not this one
+                    pass
+                else:
+                    self.mapped[slot] = (gen, storage)
+                    self.slot_of[storage.data_ptr()] = slot
+            _close_all(got)  # a storage holds a duplicate of its own
+
+    def close(self) -> None:
+        """Close what the main process sent (the token pipe, the buffers); the socket stays
+        its channel's."""
+        if self.tokens is not None:
+            _close_all(list(self.tokens))
+            self.tokens = None
+        self.mapped.clear()
+        self.slot_of.clear()
+
+    def _forget(self, slot: int) -> None:
+        old = self.mapped.pop(slot, None)
+        if old is not None:
+            del self.slot_of[old[1].data_ptr()]
+
+    def made_fresh(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` is a fresh batch buffer of the current task: the pool may keep it."""
+        if self.state is not None:
+            self.fresh.add(storage.data_ptr())
 
     def release_unsent(self) -> None:
-        """Free the buffers acquired for a task whose result did not go out through the channel."""
-        if self.in_use is not None:
-            for slot in self.unsent:
-                self.in_use[slot] = 0
+        """Free the buffers acquired for a task whose result did not go out through the
+        channel (their tokens go back in the pipe); forget the task's fresh buffers."""
+        for slot in self.unsent:
+            self.state[slot] = _SPARE
+            if self.tokens is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self.tokens[1], _TOKEN.pack(slot, self.mapped[slot][0]))
         self.unsent.clear()
+        self.fresh.clear()
 
     def send(self, tag: tuple[int, int], fds: list[int]) -> bool:
         """Send ``fds`` tagged ``tag``; False (nothing sent) if the channel is full or closed."""
@@ -356,7 +683,9 @@ class _WorkerEnd:
 def worker_end(channel: FdChannel | _WorkerEnd) -> _WorkerEnd:
     """The worker's side of ``channel``: a forked worker inherits the whole object."""
     if isinstance(channel, FdChannel):
-        return _WorkerEnd(channel.key, channel.worker_end, channel.in_use)
+        pool = channel.pool
+        shared = None if pool is None else (pool.state, pool.gens)
+        return _WorkerEnd(channel.key, channel.worker_end, channel.wid, shared)
     return channel
 
 
@@ -414,8 +743,12 @@ def _rebuild_channel_tensor(
                 raise OSError(errno.EMFILE, os.strerror(errno.EMFILE)) from exc
             raise
         storages[(key, *tag, slot)] = storage
-        if pool_slot >= 0:
-            channel.track_pooled(storage, pool_slot)
+        pool = channel.pool
+        if pool is not None and pool_slot != -1:
+            if pool_slot == _ADOPTABLE:
+                pool_slot = pool.adopt(channel, fds[slot], nbytes)
+            if pool_slot >= 0:
+                pool.track(storage, pool_slot)
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
@@ -502,9 +835,12 @@ class _TensorReducer:
                 self.fds.append(fd)
                 self._keep.append(storage)
             if slot is not None:
-                pool_slot = channel.slot_of.get(storage.data_ptr(), -1)
+                ptr = storage.data_ptr()
+                pool_slot = channel.slot_of.get(ptr, -1)
                 if pool_slot >= 0:
                     self.pool_slots.add(pool_slot)
+                elif ptr in channel.fresh:
+                    pool_slot = _ADOPTABLE
                 return _rebuild_channel_tensor, (
                     channel.key,
                     self._tag,
@@ -531,9 +867,21 @@ class _TensorReducer:
 _worker_channel: _WorkerEnd | None = None
 
 
+_buffer_wait: Callable[[], float] | None = None
+
+
+def set_buffer_wait(patience: Callable[[], float] | None) -> None:
+    """In a worker: ``patience()`` says how long this worker may wait for a pool buffer now, in
+    seconds (None: never wait, make a fresh one)."""
+    global _buffer_wait
+    _buffer_wait = patience
+
+
 def set_worker_channel(channel: FdChannel | _WorkerEnd | None) -> None:
     """In a worker: send large tensors' descriptors through ``channel`` (None: torch's way)."""
     global _worker_channel
+    if _worker_channel is not None:
+        _worker_channel.close()
     _worker_channel = None if channel is None else worker_end(channel)
 
 
@@ -559,16 +907,13 @@ def dumps_result(obj: object, tag: tuple[int, int] = (-1, -1)) -> bytes:
     return data
 
 
-def collate_into_pool(batch: list[torch.Tensor]) -> torch.Tensor | None:
-    """In a worker: ``torch.stack(batch)`` into a reused pool buffer, or None if there is none
-    (no channel, all buffers in use, or tensors that are not plain CPU tensors)."""
+def collate_into_buffer(batch: list[torch.Tensor]) -> torch.Tensor | None:
+    """In a worker: ``torch.stack(batch)`` into :func:`batch_buffer`, or None (tensors that are
+    not plain CPU tensors: torch's own collation handles them)."""
     elem = batch[0]
     if not all(is_plain_cpu_tensor(x) for x in batch):
         return None
-    out = pool_buffer((len(batch), *elem.shape), elem.dtype)
-    if out is None:
-        return None
-    return torch.stack(batch, 0, out=out)
+    return torch.stack(batch, 0, out=batch_buffer((len(batch), *elem.shape), elem.dtype))
 
 
 def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -576,7 +921,7 @@ def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | No
     None (no pool, or every buffer in use). A buffer not sent with the task's result is freed
     at the task's end (:func:`release_unsent`)."""
     channel = _worker_channel
-    if channel is None or channel.in_use is None:
+    if channel is None:
         return None
     storage = channel.acquire(math.prod(shape) * dtype.itemsize)
     if storage is None:
@@ -586,11 +931,14 @@ def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | No
 
 def batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """In a worker: :func:`pool_buffer`, else a fresh shared-memory segment (what
-    ``default_collate`` stacks into in a worker)."""
+    ``default_collate`` stacks into in a worker), which the pool may keep once its batch is
+    dropped."""
     out = pool_buffer(shape, dtype)
     if out is None:
         storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)  # type: ignore[no-untyped-call]
         out = torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
+        if _worker_channel is not None:
+            _worker_channel.made_fresh(storage)
     return out
 
 
@@ -602,7 +950,8 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def release_unsent() -> None:
-    """In a worker, after each task: free the pool buffers its result did not take."""
+    """In a worker, after each task: free the pool buffers its result did not take, and
+    forget its fresh buffers."""
     if _worker_channel is not None:
         _worker_channel.release_unsent()
 
@@ -623,10 +972,10 @@ def loads_result(data: bytes) -> Any:
     Raises ``OSError`` if a shared-memory tensor's descriptor cannot be received (``EMFILE`` at
     the descriptor limit).
     """
-    # Buffers dropped since the last result go back to their workers now, whichever worker
-    # this result is from: a worker's next batch finds a free buffer sooner.
-    for channel in list(_channels.values()):
-        channel.release_dropped()
+    # Buffers dropped since the last result go to workers now, whichever worker this result is
+    # from: a worker's next batch finds a free buffer sooner.
+    for pool in list(_pools):
+        pool.release_dropped()
     outer = _receiving.fds
     _receiving.fds, _receiving.storages = {}, {}
     try:

@@ -416,22 +416,39 @@ def _fast_exit() -> None:
     os._exit(0)
 
 
+def _buffer_patience() -> float:
+    """How long this worker may wait for a pool buffer now, in seconds.
+
+    While another worker loads an earlier batch of the same epoch, the consumer can give a
+    buffer back without this worker's batch: wait up to :data:`~aioloader._transport.
+    WAIT_FOR_BUFFER_S`. The earliest batch being loaded may be the one the consumer waits for,
+    holding its last batch: it waits only a moment (:data:`~aioloader._transport.
+    WAIT_FOR_BUFFER_FIRST_S`), then takes a fresh segment.
+    """
+    slots, epochs, wid = _state.slots, _state.epoch_slots, _state.worker_id
+    mine, epoch = slots[wid], epochs[wid]
+    for w in range(len(slots)):
+        if w != wid and 0 <= slots[w] < mine and epochs[w] == epoch:
+            return _transport.WAIT_FOR_BUFFER_S
+    return _transport.WAIT_FOR_BUFFER_FIRST_S
+
+
 def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
     """torch's tensor collation, steered: batches that travel inline skip shared memory.
 
     Inside a worker torch's ``collate_tensor_fn`` allocates every stacked batch in a fresh
     shared-memory segment. A small batch is copied into the result bytes anyway
     (:data:`~aioloader._transport.INLINE_TENSOR_BYTES`), so the segment is pure cost; for those
-    torch's function runs as it would outside a worker. Large batches go into one of the worker's
-    reused buffers when one is free (see :func:`~aioloader._transport.collate_into_pool`), else
-    into a fresh segment as torch does.
+    torch's function runs as it would outside a worker. Large batches go into one of the pool's
+    reused buffers when this worker has one free, else into a fresh segment as torch does (see
+    :func:`~aioloader._transport.collate_into_buffer`).
     """
     elem = batch[0]
     if sum(x.numel() for x in batch) * elem.element_size() >= _transport.INLINE_TENSOR_BYTES:
         if all(x.shape == elem.shape and x.dtype == elem.dtype for x in batch):
-            pooled = _transport.collate_into_pool(batch)
-            if pooled is not None:
-                return pooled
+            stacked = _transport.collate_into_buffer(batch)
+            if stacked is not None:
+                return stacked
         return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
     saved = torch_worker._worker_info
     torch_worker._worker_info = None  # this process runs no other thread that reads it
@@ -607,6 +624,8 @@ def init(
         _transport.set_worker_channel(channels[worker_id])
     _state.slots = slots
     _state.epoch_slots = epoch_slots
+    if channels is not None and slots is not None:
+        _transport.set_buffer_wait(_buffer_patience)
 
     def objects() -> tuple[Any, Any, Any]:
         if spec.objects is not None:

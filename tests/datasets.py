@@ -461,13 +461,16 @@ def playing_worker(pool: bool) -> Iterator[Any]:
     reused batch buffers if ``pool``; the main side takes them from the same channel."""
     from aioloader import _transport
 
-    ch = _transport.FdChannel(bytearray(_transport.POOL_SLOTS) if pool else None)
+    buffers = _transport.BufferPool(1) if pool else None
+    ch = _transport.FdChannel(buffers)
     _transport.set_worker_channel(ch)
     try:
         yield ch
     finally:
         _transport.set_worker_channel(None)
         ch.close()
+        if buffers is not None:
+            buffers.close()
 
 
 class SubTensor(torch.Tensor):

@@ -7,8 +7,7 @@ and any sample that does not fit must give default_collate's own result or excep
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import multiprocessing
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -111,12 +110,25 @@ def test_a_streamed_batch_is_bit_identical_to_default_collate(
 ) -> None:
     ds = Recorded(lambda i: _sample(shape, dtype, i))
     indices = [5, 2, 9, 2, 0]
+    expected = default_collate([_sample(shape, dtype, i) for i in indices])
     got = _worker.fetch_streamed(ds, indices)
-    _assert_identical(got, default_collate([_sample(shape, dtype, i) for i in indices]))
+    _assert_identical(got, expected)
     assert ds.calls == indices
     assert got.is_shared()
-    if worker_side is not None:  # built in a pool buffer, not a fresh segment
-        assert got.untyped_storage().data_ptr() in _transport._worker_channel.slot_of  # type: ignore[union-attr]
+    if worker_side is None:
+        return
+    end = _transport._worker_channel
+    assert end is not None
+    # The pool starts empty: a fresh buffer, which the pool keeps once its batch is dropped...
+    assert got.untyped_storage().data_ptr() in end.fresh
+    _transport.loads_result(_transport.dumps_result(got, (0, 0)))
+    _transport.release_unsent()
+    del got
+    # ...and the next batch is built in it, over the old values.
+    got = _worker.fetch_streamed(ds, indices)
+    assert got.untyped_storage().data_ptr() in end.slot_of
+    _assert_identical(got, expected)
+    _transport.release_unsent()
 
 
 VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -273,16 +285,25 @@ def test_an_abandoned_pool_buffer_is_freed_at_the_tasks_end(
 ) -> None:
     if worker_side is None:
         pytest.skip("pool buffers only")
-    in_use = worker_side.in_use
+    pool = worker_side.pool
+    assert pool is not None
     ds = Recorded(MISFITS["another dtype"])
+    # The pool's first buffer: a batch of the same size, received and dropped.
+    warm = _worker.fetch_streamed(ds, [0, 1, 2, 4, 5])
+    received = _transport.loads_result(_transport.dumps_result(warm, (0, 0)))
+    _transport.release_unsent()
+    del warm, received
+    (slot,) = [s for s in range(pool.capacity) if pool.state[s] == _transport._SPARE]
     batch = _worker.fetch_streamed(ds, [0, 1, 2, 3, 4])  # streamed 3 samples, then gave up
     # In a worker default_collate stacks into a tensor of the first sample's dtype.
     assert batch.dtype == torch.float32 and batch[:, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert list(in_use) == [1] + [0] * (_transport.POOL_SLOTS - 1)
-    data = _transport.dumps_result(batch, (0, 0))  # sent on the channel, from a fresh segment
+    assert pool.state[slot] == _transport._BUSY
+    data = _transport.dumps_result(batch, (0, 1))  # sent on the channel, from a fresh segment
     _transport.release_unsent()  # what load() does after each task
-    assert list(in_use) == [0] * _transport.POOL_SLOTS
+    assert pool.state[slot] == _transport._SPARE
     assert torch.equal(_transport.loads_result(data), batch)
+    assert _transport.pool_buffer((5, 2, 3), torch.float32) is not None  # its token is back
+    _transport.release_unsent()
 
 
 def test_a_dataset_with_getitems_is_not_streamed() -> None:
@@ -331,22 +352,24 @@ async def _aoutcome(aw: Any) -> tuple[str, Any]:
         return type(exc).__name__, str(exc)
 
 
-def test_the_pool_budget_keeps_one_buffer_for_big_batches() -> None:
+def test_the_pool_budget_keeps_one_buffer_per_worker_and_one_more_for_big_batches() -> None:
     big = 64 * 3 * 224 * 224 * 4  # the benchmark's 38.5 MB batch
-    assert _transport.pool_slots(big) == 1
-    assert _transport.pool_slots(_transport.POOL_BYTES // 2) == 2
-    assert _transport.pool_slots(1 << 20) == _transport.POOL_SLOTS
-    in_use = multiprocessing.RawArray(ctypes.c_ubyte, _transport.POOL_SLOTS)
-    ch = _transport.FdChannel(in_use)
+    fd = os.memfd_create("aioloader-test")
+    pools = [_transport.BufferPool(num_workers=2) for _ in range(2)]
+    channels = [_transport.FdChannel(pool, 0) for pool in pools]
     try:
-        end = _transport.worker_end(ch)
-        small = [end.acquire(1 << 20) for _ in range(_transport.POOL_SLOTS)]
-        assert all(s is not None for s in small)
-        end.release_unsent()
-        del small
-        assert end.acquire(big) is not None  # one slot at this size: the others are dropped
-        assert end.pool[1:] == [None] * (_transport.POOL_SLOTS - 1)
-        assert end.acquire(big) is None  # the one buffer is in use: a fresh segment instead
-        end.release_unsent()
+        os.ftruncate(fd, big)
+        kept = [pools[0].adopt(channels[0], fd, big) for _ in range(4)]
+        assert kept == [0, 1, 2, -1]  # num_workers + 1
+        assert pools[0].state[pools[0].capacity] == 1  # at its budget: workers wait for one
+        got = [pools[1].adopt(channels[1], fd, 1 << 20) for _ in range(pools[1].capacity + 1)]
+        assert got == [*range(2 * _transport.MAX_SLOTS_PER_WORKER), -1]
+        pools[1]._evict(0)
+        assert pools[1].adopt(channels[1], fd, 1 << 19) == -1  # smaller than the pool's buffers
+        assert pools[1].adopt(channels[1], fd, 1 << 20) == 0
     finally:
-        ch.close()
+        for c in channels:
+            c.close()
+        for pool in pools:
+            pool.close()
+        os.close(fd)

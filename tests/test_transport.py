@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -148,21 +149,22 @@ async def test_workers_send_large_batches_on_their_channel(
 
 
 @pytest.fixture
-def pooled_slots(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The pool buffer slot of every batch built in a worker's pool, in arrival order."""
-    calls: list[int] = []
-    orig = _transport.FdChannel.track_pooled
+def pooled_slots(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
+    """(pool slot, first value) of every batch received in a pool buffer, in arrival order."""
+    calls: list[tuple[int, float]] = []
+    orig = _transport.BufferPool.track
 
-    def recording(self: _transport.FdChannel, storage: torch.UntypedStorage, slot: int) -> None:
-        calls.append(slot)
+    def recording(self: _transport.BufferPool, storage: torch.UntypedStorage, slot: int) -> None:
+        first = torch.empty(0).set_(storage, 0, (1,), (1,))
+        calls.append((slot, float(first[0])))
         orig(self, storage, slot)
 
-    monkeypatch.setattr(_transport.FdChannel, "track_pooled", recording)
+    monkeypatch.setattr(_transport.BufferPool, "track", recording)
     return calls
 
 
 async def test_pool_buffers_are_reused_once_the_consumer_drops_the_batch(
-    pooled_slots: list[int],
+    pooled_slots: list[tuple[int, float]],
 ) -> None:
     ds = datasets.BigDataset(80, (3, 128, 128))
     async with asyncio.timeout(120):
@@ -170,20 +172,41 @@ async def test_pool_buffers_are_reused_once_the_consumer_drops_the_batch(
             firsts = [float(b[0, 0, 0, 0]) async for b in loader]
     assert firsts == [float(4 * i) for i in range(20)]
     # A batch finds no free buffer only while the consumer and the queue hold them all.
-    assert len(pooled_slots) > _transport.POOL_SLOTS
-    assert set(pooled_slots) <= set(range(_transport.POOL_SLOTS))
+    slots = [slot for slot, _ in pooled_slots]
+    assert len(slots) > _transport.MAX_SLOTS_PER_WORKER
+    assert set(slots) <= set(range(_transport.MAX_SLOTS_PER_WORKER))
+
+
+async def test_a_buffer_one_worker_filled_is_reused_by_the_other(
+    pooled_slots: list[tuple[int, float]],
+) -> None:
+    ds = datasets.BigDataset(160, (3, 128, 128))
+    async with asyncio.timeout(120):
+        async with AsyncDataLoader(ds, batch_size=4, num_workers=2) as loader:
+            firsts = [float(b[0, 0, 0, 0]) async for b in loader]
+    assert firsts == [float(4 * i) for i in range(40)]
+    # Pinned round-robin: batch i comes from worker i % 2.
+    workers_of: dict[int, set[int]] = {}
+    for slot, first in pooled_slots:
+        workers_of.setdefault(slot, set()).add(int(first) // 4 % 2)
+    assert any(ws == {0, 1} for ws in workers_of.values()), workers_of
 
 
 @pytest.mark.parametrize(
-    ("method", "one_slot"), [("fork", False), ("spawn", False), ("fork", True)]
+    ("method", "small_pool"), [("fork", False), ("spawn", False), ("fork", True)]
 )
 async def test_a_pool_buffer_is_never_rewritten_while_a_view_of_it_lives(
-    method: str, one_slot: bool, pooled_slots: list[int], monkeypatch: pytest.MonkeyPatch
+    method: str,
+    small_pool: bool,
+    pooled_slots: list[tuple[int, float]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    slots = _transport.POOL_SLOTS
-    if one_slot:  # as for the benchmark's 38.5 MB batches; forked workers inherit the budget
+    capacity = 2 * _transport.MAX_SLOTS_PER_WORKER
+    keep = (0, 3, 7)
+    if small_pool:  # as for the benchmark's 38.5 MB batches; forked workers inherit the budget
         monkeypatch.setattr(_transport, "POOL_BYTES", 1)
-        slots = 1
+        capacity = 3  # num_workers + 1
+        keep = (0, 7)  # one buffer stays free for reuse
     ds = datasets.BigDataset(120, (3, 128, 128))
     kept: dict[int, torch.Tensor] = {}
     async with asyncio.timeout(120):
@@ -193,15 +216,16 @@ async def test_a_pool_buffer_is_never_rewritten_while_a_view_of_it_lives(
             async for i, b in _enumerate(loader):
                 # Each batch arrives whole although the consumer scribbled on earlier ones.
                 assert b[:, 0, 0, 0].tolist() == [float(4 * i + k) for k in range(4)]
-                if i in (0, 3, 7):
+                if i in keep:
                     kept[i] = b[1:, 2]  # a view: the batch itself is dropped at once
                 else:
                     b.fill_(-1.0)
                 for j, view in kept.items():
                     assert torch.equal(view, _expected_view(j)), (i, j)
-    assert len(kept) == 3
-    assert len(pooled_slots) > 2 * slots  # buffers were reused meanwhile
-    assert set(pooled_slots) <= set(range(slots))
+    assert len(kept) == len(keep)
+    slots = [slot for slot, _ in pooled_slots]
+    assert len(slots) > 2 * capacity  # buffers were reused meanwhile
+    assert set(slots) <= set(range(capacity))
     for j, view in kept.items():
         assert torch.equal(view, _expected_view(j))
 
@@ -211,6 +235,20 @@ def pool_channel() -> Iterator[_transport.FdChannel]:
     """:func:`channel` with a pool of reused buffers."""
     with datasets.playing_worker(pool=True) as ch:
         yield ch
+
+
+def _pool(ch: _transport.FdChannel) -> _transport.BufferPool:
+    assert ch.pool is not None
+    return ch.pool
+
+
+def _fresh_result(value: float) -> bytes:
+    """A batch built in a fresh buffer, as a worker sends it."""
+    out = _transport.batch_buffer(BIG, torch.float32)
+    out.fill_(value)
+    data = _transport.dumps_result(out, (0, int(value)))
+    _transport.release_unsent()  # the worker's task ends
+    return data
 
 
 def _pooled_result(value: float) -> tuple[bytes, int]:
@@ -224,34 +262,78 @@ def _pooled_result(value: float) -> tuple[bytes, int]:
     return data, slot
 
 
+def _warm(ch: _transport.FdChannel) -> int:
+    """Give the pool its first buffer: a fresh batch, received and dropped. Its slot."""
+    assert _transport.pool_buffer(BIG, torch.float32) is None  # an empty pool has none
+    _transport.release_unsent()
+    batch = _transport.loads_result(_fresh_result(9.0))
+    assert batch[0, 0].item() == 9.0
+    pool = _pool(ch)
+    (slot,) = [s for s in range(pool.capacity) if pool.state[s] != _transport._EMPTY]
+    assert pool.state[slot] == _transport._BUSY  # kept, but the consumer still holds it
+    del batch
+    assert pool.state[slot] == _transport._SPARE
+    return slot
+
+
+def _tokens(pool: _transport.BufferPool) -> list[tuple[int, int]]:
+    """Take every token out of the pool's pipe (and put them back)."""
+    got = []
+    with contextlib.suppress(BlockingIOError):
+        while data := os.read(pool.tokens_r, _transport._TOKEN.size):
+            got.append(_transport._TOKEN.unpack(data))
+    for token in got:
+        os.write(pool.tokens_w, _transport._TOKEN.pack(*token))
+    return got
+
+
 def test_this_torch_lets_a_storage_finaliser_hand_buffers_back() -> None:
     # Otherwise buffers go back only when the next result arrives (release_dropped).
     assert _transport._sole_holder_count() in (0, 1)
 
 
+def test_a_fresh_batch_buffer_joins_the_pool_when_its_batch_is_dropped(
+    pool_channel: _transport.FdChannel,
+) -> None:
+    slot = _warm(pool_channel)
+    pool = _pool(pool_channel)
+    assert _tokens(pool) == [(slot, pool.gens[slot])]
+    data, again = _pooled_result(3.0)
+    assert again == slot and _tokens(pool) == []
+    batch = _transport.loads_result(data)
+    assert batch[0, 0].item() == 3.0 and pool.state[slot] == _transport._BUSY
+    # A tensor the worker did not make for the batch (user memory) is never kept.
+    user = torch.full(BIG, 4.0)
+    kept = _transport.loads_result(_transport.dumps_result(user, (0, 4)))
+    assert kept[0, 0].item() == 4.0
+    del kept
+    assert [s for s in range(pool.capacity) if pool.state[s] != _transport._EMPTY] == [slot]
+
+
 def test_a_pool_buffer_goes_back_when_its_last_view_is_dropped_not_on_the_next_result(
     pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    in_use = pool_channel.in_use
+    _warm(pool_channel)
+    pool = _pool(pool_channel)
     polls: list[int] = []
-    orig = _transport.FdChannel.release_dropped
+    orig = _transport.BufferPool.release_dropped
     monkeypatch.setattr(
-        _transport.FdChannel, "release_dropped", lambda self: (polls.append(1), orig(self))[1]
+        _transport.BufferPool, "release_dropped", lambda self: (polls.append(1), orig(self))[1]
     )
     data, slot = _pooled_result(5.0)
     batch = _transport.loads_result(data)
     polls.clear()  # from here on no result arrives: only the finaliser can hand it back
     view = batch[100:, 3]
     del batch
-    assert in_use[slot] == 1  # a view still reads it
+    assert pool.state[slot] == _transport._BUSY  # a view still reads it
     storage = view.untyped_storage()  # torch keeps one Python object per storage...
     assert storage is view.untyped_storage()
     del view
-    assert in_use[slot] == 1  # ...and the storage object alone keeps the buffer too
+    assert pool.state[slot] == _transport._BUSY  # ...and the storage object alone keeps it too
     again = torch.empty(0).set_(storage, 0, (8,), (1,))
     array = again.numpy()
     del storage, again
-    assert in_use[slot] == 1  # a numpy array of it
+    assert pool.state[slot] == _transport._BUSY  # a numpy array of it
     assert array[0] == 5.0
     # The last holder is dropped on another thread (a consumer's executor, say).
     holder = [array]
@@ -260,26 +342,125 @@ def test_a_pool_buffer_goes_back_when_its_last_view_is_dropped_not_on_the_next_r
     thread.start()
     thread.join(10)
     assert not thread.is_alive()
-    assert in_use[slot] == 0
+    assert pool.state[slot] == _transport._SPARE
+    assert _tokens(pool) == [(slot, pool.gens[slot])]
     assert polls == []
-    assert pool_channel._outstanding == {}
+    assert pool.outstanding == {}
 
 
 def test_a_buffer_handed_back_is_reused_and_release_dropped_never_frees_it_twice(
     pool_channel: _transport.FdChannel,
 ) -> None:
-    in_use = pool_channel.in_use
+    _warm(pool_channel)
+    pool = _pool(pool_channel)
     data, slot = _pooled_result(1.0)
     first = _transport.loads_result(data)
     del first
     data, slot2 = _pooled_result(2.0)
     assert slot2 == slot  # the same buffer, rewritten: nothing reads the first batch any more
     second = _transport.loads_result(data)  # release_dropped runs here too
-    assert in_use[slot] == 1
-    pool_channel.release_dropped()
-    assert in_use[slot] == 1 and second[0, 0].item() == 2.0
+    assert pool.state[slot] == _transport._BUSY
+    pool.release_dropped()
+    assert pool.state[slot] == _transport._BUSY and second[0, 0].item() == 2.0
+    assert _tokens(pool) == []  # a second token would let two batches share the buffer
     del second
-    assert in_use[slot] == 0
+    assert _tokens(pool) == [(slot, pool.gens[slot])]
+
+
+def test_each_free_buffer_goes_to_exactly_one_worker(pool_channel: _transport.FdChannel) -> None:
+    slot = _warm(pool_channel)
+    pool = _pool(pool_channel)
+    other = _transport.FdChannel(pool, wid=1)
+    mine = _transport._worker_channel
+    assert mine is not None
+    ends = [mine, _transport.worker_end(other)]
+    try:
+        for end in ends:
+            end._receive()
+            assert end.tokens is not None and slot in end.mapped
+        barrier = threading.Barrier(2)
+        got: list[Any] = [None, None]
+
+        def take(k: int) -> None:
+            barrier.wait(10)
+            got[k] = ends[k].acquire(4)
+
+        threads = [threading.Thread(target=take, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert sum(g is not None for g in got) == 1
+        assert pool.state[slot] == _transport._BUSY
+    finally:
+        ends[1].close()
+        other.close()
+
+
+def test_a_buffer_too_small_for_the_batches_now_is_let_go_for_a_bigger_one(
+    pool_channel: _transport.FdChannel,
+) -> None:
+    slot = _warm(pool_channel)
+    pool = _pool(pool_channel)
+    end = _transport._worker_channel
+    assert end is not None
+    bigger = (BIG[0] * 2, BIG[1])
+    assert _transport.pool_buffer(bigger, torch.float32) is None  # returned: too small
+    assert pool.state[slot] == _transport._RETURNED
+    _transport.release_unsent()
+    gen = pool.gens[slot]
+    out = _transport.batch_buffer(bigger, torch.float32)
+    out.fill_(6.0)
+    batch = _transport.loads_result(_transport.dumps_result(out, (0, 6)))
+    _transport.release_unsent()
+    del out
+    assert pool.state[slot] != _transport._RETURNED and pool.gens[slot] > gen  # let go
+    del batch  # the bigger one joins the pool
+    assert _transport.pool_buffer(bigger, torch.float32) is not None
+    assert slot not in end.mapped or end.mapped[slot][0] == pool.gens[slot]
+    _transport.release_unsent()
+
+
+def test_a_worker_waits_for_a_buffer_only_while_the_pool_is_at_its_budget(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_transport, "POOL_BYTES", 1)  # num_workers + 1 buffers: 2 here
+    _warm(pool_channel)
+    pool = _pool(pool_channel)
+    waits: list[int] = []
+    monkeypatch.setattr(_transport, "_buffer_wait", lambda: waits.append(1) or 5.0)
+    held = [_transport.loads_result(_pooled_result(1.0)[0])]
+    # The pool may still grow: no waiting, a fresh buffer (which the pool keeps).
+    assert _transport.pool_buffer(BIG, torch.float32) is None and waits == []
+    _transport.release_unsent()
+    held.append(_transport.loads_result(_fresh_result(2.0)))
+    assert pool.state[pool.capacity] == 0
+    held.append(_transport.loads_result(_fresh_result(3.0)))  # not kept: the pool is full
+    assert pool.state[pool.capacity] == 1
+    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
+    # Every buffer is in use: the worker waits until the consumer drops a batch.
+    timer = threading.Timer(0.2, held.pop, args=(0,))
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        out = _transport.pool_buffer(BIG, torch.float32)
+        assert out is not None and waits == [1]
+        assert 0.1 < time.monotonic() - t0 < 4.0
+    finally:
+        timer.join(10)
+    del out
+    _transport.release_unsent()  # not sent: the buffer is free again
+    # A consumer that keeps its batches: the wait times out once, then no more waiting.
+    monkeypatch.setattr(_transport, "_buffer_wait", lambda: waits.append(1) or 0.05)
+    waits.clear()
+    held.append(_transport.loads_result(_pooled_result(4.0)[0]))
+    assert _transport.pool_buffer(BIG, torch.float32) is None and waits == [1]
+    assert _transport.pool_buffer(BIG, torch.float32) is None and waits == [1]
+    _transport.release_unsent()
+    held.clear()  # buffers come back: waiting is on again
+    assert _transport.pool_buffer(BIG, torch.float32) is not None
+    _transport.release_unsent()
+    assert _transport._worker_channel is not None and _transport._worker_channel.patient
 
 
 def _expected_view(j: int) -> torch.Tensor:
