@@ -309,7 +309,11 @@ class BufferPool:
         self._freed: collections.deque[int] = collections.deque()
         self._lock = threading.Lock()
         self._closed = False
-        self.tokens_r, self.tokens_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._retry = False  # an announcement did not fit in a channel: send it again
+        # Not inherited by exec'd programs (os.pipe); a worker never blocks on it but in poll().
+        self.tokens_r, self.tokens_w = os.pipe()
+        os.set_blocking(self.tokens_r, False)
+        os.set_blocking(self.tokens_w, False)
         self._remember(self.tokens_r, self.tokens_w)
         _pools.add(self)
 
@@ -387,9 +391,10 @@ class BufferPool:
         # Finalisers may pop entries meanwhile, on any thread or inside a garbage collection.
         # dict.copy() copies in one step that allocates no object per entry, so no collection
         # (Python 3.11 may run one on any allocation) can change the dict half-way through it.
-        for entry, (ref, slot) in self.outstanding.copy().items():
-            if ref.expired() and self.outstanding.pop(entry, None) is not None:
-                self._freed.append(slot)
+        if self.outstanding:
+            for entry, (ref, slot) in self.outstanding.copy().items():
+                if ref.expired() and self.outstanding.pop(entry, None) is not None:
+                    self._freed.append(slot)
         self.hand_out()
 
     def hand_out(self) -> None:
@@ -400,6 +405,9 @@ class BufferPool:
         already holds the lock, and then leaves the work to the next call (every result's
         arrival makes one).
         """
+        # Called with every result (tiny batches too): nothing to do is the common case.
+        if not self._freed and not self._retry and _RETURNED not in bytes(self.state):
+            return
         if not self._lock.acquire(blocking=False):
             return
         try:
@@ -417,20 +425,24 @@ class BufferPool:
                 state[s] = _SPARE
                 with contextlib.suppress(OSError):  # the pipe holds thousands: never full
                     os.write(self.tokens_w, _TOKEN.pack(s, self.gens[s]))
-            for ch in self.channels:  # announcements that did not fit in a channel before
-                for s in range(self.capacity):
-                    if self._fds[s] >= 0:
-                        self._announce(ch, s)
+            if self._retry:  # announcements that did not fit in a channel before
+                self._retry = False
+                for ch in self.channels:
+                    for s in range(self.capacity):
+                        if self._fds[s] >= 0:
+                            self._announce(ch, s)
         finally:
             self._lock.release()
 
     def _announce(self, channel: FdChannel, slot: int) -> None:
         # Send worker ``channel.wid`` the buffer's descriptor, unless it has it already.
         gen = int(self.gens[slot])
-        if channel.known.get(slot) != gen and self._send(
-            channel, slot, gen, self._nbytes[slot], [self._fds[slot]]
-        ):
+        if channel.known.get(slot) == gen:
+            return
+        if self._send(channel, slot, gen, self._nbytes[slot], [self._fds[slot]]):
             channel.known[slot] = gen
+        else:
+            self._retry = True
 
     @staticmethod
     def _send(channel: FdChannel, slot: int, gen: int, nbytes: int, fds: list[int]) -> bool:
@@ -557,7 +569,9 @@ class _WorkerEnd:
             # the consumer drops a batch, and a fresh segment would add a batch of memory.
             # A consumer that keeps its batches gives none back: then stop waiting, until a
             # buffer is free again when asked for.
-            if select.select([self.tokens[0]], [], [], patience())[0]:
+            poller = select.poll()
+            poller.register(self.tokens[0], select.POLLIN)
+            if poller.poll(patience() * 1000):
                 found = self._take(nbytes)
             else:
                 self.patient = False
