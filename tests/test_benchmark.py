@@ -77,3 +77,12 @@ def test_load_meter_tells_other_processes_from_the_benchmarks(tmp_path: Path) ->
     assert load.others * wall >= 0.4
     # Not counted twice: what we burned is not in "others", and vice versa.
     assert load.ours * wall < 0.5 + 0.5 + 0.3
+
+
+def test_the_big_copy_limit_builds_batches_in_parallel_processes() -> None:
+    from aioloader.benchmark.big import copy_limit
+
+    res = copy_limit(workers=2, batches=2)
+    procs = min(2, os.cpu_count() or 1)
+    assert (res.batches, res.samples) == (2 // procs * procs, 64 * (2 // procs) * procs)
+    assert 0 < res.seconds < 60

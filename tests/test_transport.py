@@ -642,3 +642,22 @@ async def test_every_tensor_kind_torchs_loader_moves_arrives_intact(ctx: str) ->
     assert len(got) == 2
     diffs = {k: d for k, v in expected.items() if (d := _same(v, got[0][k]))}
     assert diffs == {}
+
+
+def test_only_a_worker_behind_another_waits_long_for_a_buffer() -> None:
+    from aioloader import _worker
+
+    state = _worker._state
+    saved = (state.slots, state.epoch_slots, state.worker_id)
+    state.worker_id = 1
+    try:
+        for others, epochs, expected in [
+            ([4, 7, -1], [0, 0, 0], _transport.WAIT_FOR_BUFFER_S),  # worker 0 loads batch 4
+            ([9, 7, 8], [0, 0, 0], _transport.WAIT_FOR_BUFFER_FIRST_S),  # 7 is the earliest
+            ([-1, 7, -1], [0, 0, 0], _transport.WAIT_FOR_BUFFER_FIRST_S),  # the others idle
+            ([4, 7, -1], [1, 2, 0], _transport.WAIT_FOR_BUFFER_FIRST_S),  # an older epoch's
+        ]:
+            state.slots, state.epoch_slots = others, epochs
+            assert _worker._buffer_patience() == expected, (others, epochs)
+    finally:
+        state.slots, state.epoch_slots, state.worker_id = saved
