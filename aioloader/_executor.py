@@ -179,9 +179,16 @@ class WorkerPool:
         # connection from the main process to each worker per batch (see _transport).
         # Batch buffers any worker can reuse once the consumer drops a batch (see _transport).
         self._buffers = _transport.BufferPool(self.num_workers, ctx.RawArray)
-        self._channels = [
-            _transport.FdChannel(self._buffers, wid) for wid in range(self.num_workers)
-        ]
+        self._channels: list[_transport.FdChannel] = []
+        try:
+            for wid in range(self.num_workers):
+                self._channels.append(_transport.FdChannel(self._buffers, wid))
+        except BaseException:  # out of descriptors, say: close what was made
+            # The pool first: once closed, no finaliser announces a buffer on a channel.
+            self._buffers.close()
+            for ch in self._channels:
+                ch.close()
+            raise
         self._closed = False
         self._owns_payload = True
         self._payload_lock = threading.Lock()
@@ -614,9 +621,10 @@ class WorkerPool:
             self._closed = True
             _live_pools.discard(self)
             self._remove_payload()
+            # The pool first: once closed, no finaliser announces a buffer on a channel.
+            self._buffers.close()
             for ch in self._channels:
                 ch.close()
-            self._buffers.close()
             # Every worker and the manager threads are gone: their queues' named semaphores and
             # pipes can go now (see there).
             release_semaphores(self._call_queues + self._result_queues)

@@ -42,6 +42,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
@@ -254,6 +255,10 @@ WAIT_FOR_BUFFER_S = 0.05
 #: The same, for the earliest batch being loaded: the consumer may be waiting for it.
 WAIT_FOR_BUFFER_FIRST_S = 0.005
 
+#: A wait longer than this counts as long: a worker that waited long (or in vain) for 2 of its
+#: last 3 buffers asks the pool to keep one buffer more.
+WAIT_LONG_S = 0.002
+
 # BufferPool.state values.
 _EMPTY = 0  # no buffer in this slot
 _BUSY = 1  # a worker builds a batch in it, or the batch is in flight or with the consumer
@@ -290,9 +295,12 @@ class BufferPool:
         make = raw_array if raw_array is not None else _raw_array
         self.num_workers = max(1, num_workers)
         self.capacity = self.num_workers * MAX_SLOTS_PER_WORKER
-        # One byte per slot, and a last one: 1 while the pool is at its budget (a fresh buffer
-        # would not be kept), so that a worker waits for a buffer rather than make one.
-        self.state: Any = make(ctypes.c_ubyte, [_EMPTY] * (self.capacity + 1))
+        # One byte per slot, then two flags: [capacity] is 1 while the pool is at its budget (a
+        # fresh buffer would not be kept), so that a worker waits for a buffer rather than make
+        # one; [capacity + 1] is set by a worker that keeps waiting (see _WorkerEnd.acquire),
+        # and lets the pool keep one buffer more.
+        self.state: Any = make(ctypes.c_ubyte, [_EMPTY] * (self.capacity + 2))
+        self._allowed = self.num_workers + 1  # buffers kept whatever their size
         self.gens: Any = make(ctypes.c_int, [0] * self.capacity)
         self.channels: list[FdChannel] = []
         # Batches in pool buffers still alive here: token -> (weak reference to the storage,
@@ -333,13 +341,19 @@ class BufferPool:
             if self._closed:
                 return -1
             used = [s for s in range(self.capacity) if self._fds[s] >= 0]
+            state = self.state
+            if state[self.capacity + 1]:
+                # Workers keep finding every buffer in use: the consumer holds more batches than
+                # the budget allows for (a window of recent batches, say).
+                state[self.capacity + 1] = 0
+                self._allowed = min(self.capacity, max(self._allowed, len(used) + 1))
             budget = POOL_BYTES * self.num_workers
             pooled = sum(self._nbytes[s] for s in used)
             if len(used) == self.capacity or (
-                len(used) > self.num_workers and pooled + nbytes > budget
+                len(used) >= self._allowed and pooled + nbytes > budget
             ):
                 self._wanted = max(self._wanted, nbytes)
-                self.state[self.capacity] = 1
+                state[self.capacity] = 1
                 return -1
             if used and nbytes < max(self._nbytes[s] for s in used):
                 return -1  # a short last batch, say: keep the pool's buffers one size
@@ -420,7 +434,10 @@ class BufferPool:
             while self._freed:
                 s = self._freed.popleft()
                 if self._nbytes[s] < self._wanted:
-                    self._evict(s)  # make room for a bigger one
+                    # Make room for a bigger one, once for each that was turned away: a single
+                    # outsized batch must not turn every buffer over from then on.
+                    self._evict(s)
+                    self._wanted = 0
                     continue
                 state[s] = _SPARE
                 with contextlib.suppress(OSError):  # the pipe holds thousands: never full
@@ -544,15 +561,30 @@ class _WorkerEnd:
             self.state, self.gens = shared
         self.tokens: tuple[int, int] | None = None  # the token pipe's ends, once announced
         self.patient = True  # wait for a buffer when the pool is at its budget
+        #: For each of the last batches that took a buffer: whether it waited long for it.
+        self.waited: collections.deque[bool] = collections.deque(maxlen=3)
         self.mapped: dict[int, tuple[int, torch.UntypedStorage]] = {}  # slot -> (gen, buffer)
         self.slot_of: dict[int, int] = {}  # a pool buffer's data_ptr -> its slot
         self.unsent: list[int] = []  # slots acquired for the current task, not sent yet
         #: data_ptrs of fresh batch buffers made for the current task (see :data:`_ADOPTABLE`).
         self.fresh: set[int] = set()
 
-    def acquire(self, nbytes: int) -> torch.UntypedStorage | None:
+    def due(self) -> bool:
+        """Whether a buffer comes back soon when none is free: the pool is at its budget (a
+        fresh one would not be kept), and waiting is on."""
+        state = self.state
+        return (
+            state is not None
+            and self.tokens is not None
+            and bool(state[len(state) - 2])
+            and self.patient
+            and _buffer_wait is not None
+        )
+
+    def acquire(self, nbytes: int, wait: bool = True) -> torch.UntypedStorage | None:
         """A free pool buffer of at least ``nbytes``, or None (make a fresh one). Its pages are
-        reused from an earlier batch: no allocation, no zero-filling."""
+        reused from an earlier batch: no allocation, no zero-filling. ``wait``: when every
+        buffer is in use and :meth:`due`, wait for one (see :data:`WAIT_FOR_BUFFER_S`)."""
         if self.state is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":  # type: ignore[no-untyped-call]
             return None
         self._receive()
@@ -564,19 +596,31 @@ class _WorkerEnd:
                 self._forget(slot)  # evicted: its memory goes once no one maps it
         found = self._take(nbytes)
         patience = _buffer_wait
-        if found < 0 and self.state[-1] and self.patient and patience is not None:
+        state = self.state
+        full, grow = len(state) - 2, len(state) - 1
+        if found < 0 and wait and state[full] and self.patient and patience is not None:
             # The pool is at its budget and every buffer is in use: one comes back as soon as
             # the consumer drops a batch, and a fresh segment would add a batch of memory.
-            # A consumer that keeps its batches gives none back: then stop waiting, until a
-            # buffer is free again when asked for.
+            if sum(self.waited) >= 2:
+                # Waited long on most of the last batches: the consumer holds more batches than
+                # the pool has room for. Ask for one buffer more, and make it now.
+                state[grow] = 1
+                self.waited.clear()
+                return None
             poller = select.poll()
             poller.register(self.tokens[0], select.POLLIN)
+            t0 = time.monotonic()
             if poller.poll(patience() * 1000):
                 found = self._take(nbytes)
+                self.waited.append(time.monotonic() - t0 > WAIT_LONG_S)
             else:
+                # A consumer that keeps its batches gives none back: stop waiting, until a
+                # buffer is free again when asked for.
                 self.patient = False
+                self.waited.append(True)
         elif found >= 0:
             self.patient = True
+            self.waited.append(False)
         if found < 0:
             return None
         self.state[found] = _BUSY
@@ -745,25 +789,34 @@ def _rebuild_channel_tensor(
         channel = _channels.get(key)
         if channel is None:
             raise OSError(errno.ENOENT, "the worker pool that sent this batch is closed")
-        fds = got.get((key, *tag))
-        if fds is None:
-            fds = got[(key, *tag)] = channel.take(tag)
+        pool = channel.pool
         try:
-            storage = torch.UntypedStorage._new_shared_fd_cpu(fds[slot], nbytes)  # type: ignore[attr-defined]
-        except RuntimeError as exc:
-            # It duplicates the descriptor (ours is valid: it was just received), so a failure
-            # is the descriptor limit.
-            if "could not duplicate" in str(exc) or "Too many open files" in str(exc):
-                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE)) from exc
+            fds = got.get((key, *tag))
+            if fds is None:
+                fds = got[(key, *tag)] = channel.take(tag)
+            storage = _map_received(fds[slot], nbytes)
+        except BaseException:
+            if pool is not None and pool_slot >= 0:
+                pool.release(pool_slot)  # its batch never reaches anyone: the buffer is free
             raise
         storages[(key, *tag, slot)] = storage
-        pool = channel.pool
         if pool is not None and pool_slot != -1:
             if pool_slot == _ADOPTABLE:
                 pool_slot = pool.adopt(channel, fds[slot], nbytes)
             if pool_slot >= 0:
                 pool.track(storage, pool_slot)
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+
+
+def _map_received(fd: int, nbytes: int) -> torch.UntypedStorage:
+    try:
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined,no-any-return]
+    except RuntimeError as exc:
+        # It duplicates the descriptor (ours is valid: it was just received), so a failure is
+        # the descriptor limit.
+        if "could not duplicate" in str(exc) or "Too many open files" in str(exc):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE)) from exc
+        raise
 
 
 def is_plain_cpu_tensor(t: torch.Tensor) -> bool:
@@ -930,14 +983,26 @@ def collate_into_buffer(batch: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack(batch, 0, out=batch_buffer((len(batch), *elem.shape), elem.dtype))
 
 
-def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+def pool_buffer_due() -> bool:
+    """In a worker: whether a pool buffer comes back soon when none is free now (see
+    :meth:`_WorkerEnd.due`): a worker may read samples ahead meanwhile."""
+    channel = _worker_channel
+    return channel is not None and channel.due()
+
+
+def pool_buffer(
+    shape: tuple[int, ...], dtype: torch.dtype, wait: bool = True
+) -> torch.Tensor | None:
     """In a worker: an uninitialised contiguous CPU tensor in one of its free pool buffers, or
-    None (no pool, or every buffer in use). A buffer not sent with the task's result is freed
-    at the task's end (:func:`release_unsent`)."""
+    None (no pool, or every buffer in use; ``wait``: see :meth:`_WorkerEnd.acquire`). A buffer
+    not sent with the task's result is freed at the task's end (:func:`release_unsent`)."""
     channel = _worker_channel
     if channel is None:
         return None
-    storage = channel.acquire(math.prod(shape) * dtype.itemsize)
+    try:
+        storage = channel.acquire(math.prod(shape) * dtype.itemsize, wait)
+    except Exception:  # the pool is an optimisation: never fail a batch for it
+        return None
     if storage is None:
         return None
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))

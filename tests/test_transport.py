@@ -204,9 +204,9 @@ async def test_a_pool_buffer_is_never_rewritten_while_a_view_of_it_lives(
     capacity = 2 * _transport.MAX_SLOTS_PER_WORKER
     keep = (0, 3, 7)
     if small_pool:  # as for the benchmark's 38.5 MB batches; forked workers inherit the budget
+        # num_workers + 1 buffers at first; the views kept make the workers ask for more.
         monkeypatch.setattr(_transport, "POOL_BYTES", 1)
-        capacity = 3  # num_workers + 1
-        keep = (0, 7)  # one buffer stays free for reuse
+        keep = (0, 7)
     ds = datasets.BigDataset(120, (3, 128, 128))
     kept: dict[int, torch.Tensor] = {}
     async with asyncio.timeout(120):
@@ -224,7 +224,7 @@ async def test_a_pool_buffer_is_never_rewritten_while_a_view_of_it_lives(
                     assert torch.equal(view, _expected_view(j)), (i, j)
     assert len(kept) == len(keep)
     slots = [slot for slot, _ in pooled_slots]
-    assert len(slots) > 2 * capacity  # buffers were reused meanwhile
+    assert len(slots) > 2 * len(set(slots))  # buffers were reused meanwhile
     assert set(slots) <= set(range(capacity))
     for j, view in kept.items():
         assert torch.equal(view, _expected_view(j))
@@ -661,3 +661,119 @@ def test_only_a_worker_behind_another_waits_long_for_a_buffer() -> None:
             assert _worker._buffer_patience() == expected, (others, epochs)
     finally:
         state.slots, state.epoch_slots, state.worker_id = saved
+
+
+def test_a_pool_keeps_one_buffer_more_when_its_workers_keep_waiting() -> None:
+    fd = os.memfd_create("aioloader-test")
+    pool = _transport.BufferPool(num_workers=1)
+    ch = _transport.FdChannel(pool, 0)
+    big = 64 << 20  # over POOL_BYTES together: num_workers + 1 buffers
+    try:
+        os.ftruncate(fd, big)
+        assert [pool.adopt(ch, fd, big) for _ in range(3)] == [0, 1, -1]
+        pool.state[pool.capacity + 1] = 1  # what a worker that keeps waiting sets
+        assert pool.adopt(ch, fd, big) == 2
+        assert pool.state[pool.capacity + 1] == 0
+        assert pool.adopt(ch, fd, big) == -1  # one more, not more
+    finally:
+        ch.close()
+        pool.close()
+        os.close(fd)
+
+
+def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_transport, "POOL_BYTES", 1)
+    _warm(pool_channel)
+    pool = _pool(pool_channel)
+    monkeypatch.setattr(_transport, "_buffer_wait", lambda: 0.01)
+    held = [_transport.loads_result(_pooled_result(1.0)[0])]
+    held.append(_transport.loads_result(_fresh_result(2.0)))
+    held.append(_transport.loads_result(_fresh_result(3.0)))  # refused: at the budget
+    grow = pool.capacity + 1
+    end = _transport._worker_channel
+    assert end is not None
+    for _ in range(2):  # two waits in vain
+        end.patient = True
+        assert _transport.pool_buffer(BIG, torch.float32) is None
+    assert pool.state[grow] == 0
+    end.patient = True
+    assert _transport.pool_buffer(BIG, torch.float32) is None  # asks instead of waiting
+    assert pool.state[grow] == 1 and not end.waited
+    held.append(_transport.loads_result(_fresh_result(4.0)))
+    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 3
+    _transport.release_unsent()
+
+
+def test_one_outsized_batch_turns_over_one_buffer_not_all_of_them(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_transport, "POOL_BYTES", 1)
+    _warm(pool_channel)
+    pool = _pool(pool_channel)
+    held = [_transport.loads_result(_pooled_result(1.0)[0])]
+    held.append(_transport.loads_result(_fresh_result(2.0)))  # the pool's second buffer
+    out = _transport.batch_buffer((BIG[0] * 2, BIG[1]), torch.float32)  # an outsized one
+    held.append(_transport.loads_result(_transport.dumps_result(out, (0, 9))))
+    _transport.release_unsent()
+    del out
+    gens = list(pool.gens)
+    held.clear()  # both normal buffers come back: one is let go for the bigger one, once
+    changed = [s for s in range(pool.capacity) if pool.gens[s] != gens[s]]
+    assert len(changed) == 1 and pool.state[changed[0]] == _transport._EMPTY
+    kept = [s for s in range(pool.capacity) if pool.state[s] == _transport._SPARE]
+    assert len(kept) == 1
+
+
+def test_a_pool_buffer_whose_batch_cannot_be_received_is_free_again(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _warm(pool_channel)
+    pool = _pool(pool_channel)
+    data, slot = _pooled_result(1.0)
+
+    def fail(self: _transport.FdChannel, tag: tuple[int, int]) -> list[int]:
+        raise OSError(errno.EMFILE, "no descriptors left")
+
+    monkeypatch.setattr(_transport.FdChannel, "take", fail)
+    with pytest.raises(OSError):
+        _transport.loads_result(data)
+    monkeypatch.undo()
+    assert pool.state[slot] == _transport._SPARE
+    assert _tokens(pool) == [(slot, pool.gens[slot])]
+    # The descriptors sent with it are still on the channel: take them out and close them.
+    for fd in pool_channel.take((0, 1)):
+        os.close(fd)
+
+
+def test_a_worker_reads_samples_ahead_while_it_waits_for_a_buffer(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioloader import _worker
+
+    monkeypatch.setattr(_transport, "POOL_BYTES", 1)
+    _warm(pool_channel)
+    pool = _pool(pool_channel)
+    monkeypatch.setattr(_transport, "_buffer_wait", lambda: 5.0)
+    held = [_transport.loads_result(_pooled_result(1.0)[0])]
+    held.append(_transport.loads_result(_fresh_result(2.0)))
+    held.append(_transport.loads_result(_fresh_result(3.0)))  # refused: at the budget
+    calls: list[int] = []
+
+    class Dataset:
+        def __getitem__(self, i: int) -> torch.Tensor:
+            calls.append(i)
+            if i == 2:
+                held.pop(0)  # the consumer drops a batch while the worker reads ahead
+            return torch.full(BIG[1:], float(i))
+
+    batch = _worker.fetch_streamed(Dataset(), list(range(BIG[0])))
+    end = _transport._worker_channel
+    assert end is not None
+    assert batch.untyped_storage().data_ptr() in end.slot_of  # the buffer that came back
+    assert calls == list(range(BIG[0]))
+    assert batch[:, 0].tolist() == [float(i) for i in range(BIG[0])]
+    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
+    del batch
+    _transport.release_unsent()
