@@ -569,22 +569,10 @@ class _WorkerEnd:
         #: data_ptrs of fresh batch buffers made for the current task (see :data:`_ADOPTABLE`).
         self.fresh: set[int] = set()
 
-    def due(self) -> bool:
-        """Whether a buffer comes back soon when none is free: the pool is at its budget (a
-        fresh one would not be kept), and waiting is on."""
-        state = self.state
-        return (
-            state is not None
-            and self.tokens is not None
-            and bool(state[len(state) - 2])
-            and self.patient
-            and _buffer_wait is not None
-        )
-
-    def acquire(self, nbytes: int, wait: bool = True) -> torch.UntypedStorage | None:
+    def acquire(self, nbytes: int) -> torch.UntypedStorage | None:
         """A free pool buffer of at least ``nbytes``, or None (make a fresh one). Its pages are
-        reused from an earlier batch: no allocation, no zero-filling. ``wait``: when every
-        buffer is in use and :meth:`due`, wait for one (see :data:`WAIT_FOR_BUFFER_S`)."""
+        reused from an earlier batch: no allocation, no zero-filling. When every buffer is in
+        use and the pool is at its budget, waits for one (see :data:`WAIT_FOR_BUFFER_S`)."""
         if self.state is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":  # type: ignore[no-untyped-call]
             return None
         self._receive()
@@ -598,7 +586,7 @@ class _WorkerEnd:
         patience = _buffer_wait
         state = self.state
         full, grow = len(state) - 2, len(state) - 1
-        if found < 0 and wait and state[full] and self.patient and patience is not None:
+        if found < 0 and state[full] and self.patient and patience is not None:
             # The pool is at its budget and every buffer is in use: one comes back as soon as
             # the consumer drops a batch, and a fresh segment would add a batch of memory.
             if sum(self.waited) >= 2:
@@ -983,24 +971,15 @@ def collate_into_buffer(batch: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack(batch, 0, out=batch_buffer((len(batch), *elem.shape), elem.dtype))
 
 
-def pool_buffer_due() -> bool:
-    """In a worker: whether a pool buffer comes back soon when none is free now (see
-    :meth:`_WorkerEnd.due`): a worker may read samples ahead meanwhile."""
-    channel = _worker_channel
-    return channel is not None and channel.due()
-
-
-def pool_buffer(
-    shape: tuple[int, ...], dtype: torch.dtype, wait: bool = True
-) -> torch.Tensor | None:
-    """In a worker: an uninitialised contiguous CPU tensor in one of its free pool buffers, or
-    None (no pool, or every buffer in use; ``wait``: see :meth:`_WorkerEnd.acquire`). A buffer
-    not sent with the task's result is freed at the task's end (:func:`release_unsent`)."""
+def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """In a worker: an uninitialised contiguous CPU tensor in one of the pool's free buffers,
+    or None (no pool, or every buffer in use: see :meth:`_WorkerEnd.acquire`). A buffer not
+    sent with the task's result is freed at the task's end (:func:`release_unsent`)."""
     channel = _worker_channel
     if channel is None:
         return None
     try:
-        storage = channel.acquire(math.prod(shape) * dtype.itemsize, wait)
+        storage = channel.acquire(math.prod(shape) * dtype.itemsize)
     except Exception:  # the pool is an optimisation: never fail a batch for it
         return None
     if storage is None:

@@ -481,32 +481,14 @@ def _streamable(sample: object) -> bool:
 
 def _stream_tensors(dataset: Any, it: Iterator[Any], first: torch.Tensor, n: int) -> Any:
     # fetch_streamed for samples that are one tensor each: the same outcome, less Python per
-    # sample (a large batch's build time is mostly these copies).
+    # sample (a large batch's build time is mostly these copies: 14 -> 10.4 ms for the
+    # benchmark's 38.5 MB batch, the time of a bare loop of the same copies).
     shape, dtype = first.shape, first.dtype
-    batch = _transport.pool_buffer((n, *shape), dtype, wait=False)
-    ahead = [first]
-    del first
-    if batch is None and _transport.pool_buffer_due():
-        # Every buffer is in use, and one comes back as soon as the consumer drops a batch:
-        # read samples meanwhile instead of waiting idle, up to a quarter of the batch (the
-        # memory a fresh buffer would cost is what the wait saves). On `big` (3 runs each),
-        # reading none ahead gave 3.0-3.8x torch at 0.94-1.01x its peak memory, up to 16 of 64
-        # samples 3.2-3.6x at 0.96-0.98x, up to a whole batch 3.2-3.5x at 1.01-1.04x.
-        while batch is None and len(ahead) < max(1, n // 4):
-            sample = dataset[next(it)]
-            if not _fits(sample, shape, dtype):
-                return _default_collate_small_inline([*ahead, sample, *(dataset[i] for i in it)])
-            ahead.append(sample)
-            del sample
-            batch = _transport.pool_buffer((n, *shape), dtype, wait=False)
-    if batch is None:
-        batch = _transport.batch_buffer((n, *shape), dtype)  # waits, or a fresh segment
+    batch = _transport.batch_buffer((n, *shape), dtype)
     rows = batch.unbind(0)  # every row's view at once
-    for k, sample in enumerate(ahead):
-        rows[k].copy_(sample)
-    done = len(ahead)
-    del ahead
-    for k in range(done, n):
+    rows[0].copy_(first)
+    del first
+    for k in range(1, n):
         sample = dataset[next(it)]
         if not _fits(sample, shape, dtype):
             # A pool buffer taken here is freed at the task's end (release_unsent): only

@@ -163,33 +163,27 @@ def pooled_slots(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
     return calls
 
 
-async def test_pool_buffers_are_reused_once_the_consumer_drops_the_batch(
-    pooled_slots: list[tuple[int, float]],
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_pool_buffers_are_reused_by_any_worker_once_the_consumer_drops_the_batch(
+    pooled_slots: list[tuple[int, float]], workers: int
 ) -> None:
-    ds = datasets.BigDataset(80, (3, 128, 128))
+    n = 20 * workers
+    ds = datasets.BigDataset(4 * n, (3, 128, 128))
     async with asyncio.timeout(120):
-        async with AsyncDataLoader(ds, batch_size=4, num_workers=1) as loader:
+        async with AsyncDataLoader(ds, batch_size=4, num_workers=workers) as loader:
             firsts = [float(b[0, 0, 0, 0]) async for b in loader]
-    assert firsts == [float(4 * i) for i in range(20)]
+    assert firsts == [float(4 * i) for i in range(n)]
     # A batch finds no free buffer only while the consumer and the queue hold them all.
+    capacity = workers * _transport.MAX_SLOTS_PER_WORKER
     slots = [slot for slot, _ in pooled_slots]
-    assert len(slots) > _transport.MAX_SLOTS_PER_WORKER
-    assert set(slots) <= set(range(_transport.MAX_SLOTS_PER_WORKER))
-
-
-async def test_a_buffer_one_worker_filled_is_reused_by_the_other(
-    pooled_slots: list[tuple[int, float]],
-) -> None:
-    ds = datasets.BigDataset(160, (3, 128, 128))
-    async with asyncio.timeout(120):
-        async with AsyncDataLoader(ds, batch_size=4, num_workers=2) as loader:
-            firsts = [float(b[0, 0, 0, 0]) async for b in loader]
-    assert firsts == [float(4 * i) for i in range(40)]
-    # Pinned round-robin: batch i comes from worker i % 2.
-    workers_of: dict[int, set[int]] = {}
-    for slot, first in pooled_slots:
-        workers_of.setdefault(slot, set()).add(int(first) // 4 % 2)
-    assert any(ws == {0, 1} for ws in workers_of.values()), workers_of
+    assert len(slots) > capacity
+    assert set(slots) <= set(range(capacity))
+    if workers == 2:
+        # Pinned round-robin: batch i comes from worker i % 2.
+        workers_of: dict[int, set[int]] = {}
+        for slot, first in pooled_slots:
+            workers_of.setdefault(slot, set()).add(int(first) // 4 % 2)
+        assert any(ws == {0, 1} for ws in workers_of.values()), workers_of
 
 
 @pytest.mark.parametrize(
@@ -681,16 +675,26 @@ def test_a_pool_keeps_one_buffer_more_when_its_workers_keep_waiting() -> None:
         os.close(fd)
 
 
-def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _every_buffer_held(
+    ch: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch, wait_s: float
+) -> tuple[_transport.BufferPool, list[torch.Tensor]]:
+    """A pool of num_workers + 1 = 2 buffers at its budget, both held by the consumer (the
+    batches returned); workers may wait ``wait_s`` for a buffer."""
     monkeypatch.setattr(_transport, "POOL_BYTES", 1)
-    _warm(pool_channel)
-    pool = _pool(pool_channel)
-    monkeypatch.setattr(_transport, "_buffer_wait", lambda: 0.01)
+    _warm(ch)
+    monkeypatch.setattr(_transport, "_buffer_wait", lambda: wait_s)
     held = [_transport.loads_result(_pooled_result(1.0)[0])]
     held.append(_transport.loads_result(_fresh_result(2.0)))
     held.append(_transport.loads_result(_fresh_result(3.0)))  # refused: at the budget
+    pool = _pool(ch)
+    assert pool.state[pool.capacity] == 1
+    return pool, held
+
+
+def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool, held = _every_buffer_held(pool_channel, monkeypatch, wait_s=0.01)
     grow = pool.capacity + 1
     end = _transport._worker_channel
     assert end is not None
@@ -745,35 +749,3 @@ def test_a_pool_buffer_whose_batch_cannot_be_received_is_free_again(
     # The descriptors sent with it are still on the channel: take them out and close them.
     for fd in pool_channel.take((0, 1)):
         os.close(fd)
-
-
-def test_a_worker_reads_samples_ahead_while_it_waits_for_a_buffer(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from aioloader import _worker
-
-    monkeypatch.setattr(_transport, "POOL_BYTES", 1)
-    _warm(pool_channel)
-    pool = _pool(pool_channel)
-    monkeypatch.setattr(_transport, "_buffer_wait", lambda: 5.0)
-    held = [_transport.loads_result(_pooled_result(1.0)[0])]
-    held.append(_transport.loads_result(_fresh_result(2.0)))
-    held.append(_transport.loads_result(_fresh_result(3.0)))  # refused: at the budget
-    calls: list[int] = []
-
-    class Dataset:
-        def __getitem__(self, i: int) -> torch.Tensor:
-            calls.append(i)
-            if i == 2:
-                held.pop(0)  # the consumer drops a batch while the worker reads ahead
-            return torch.full(BIG[1:], float(i))
-
-    batch = _worker.fetch_streamed(Dataset(), list(range(BIG[0])))
-    end = _transport._worker_channel
-    assert end is not None
-    assert batch.untyped_storage().data_ptr() in end.slot_of  # the buffer that came back
-    assert calls == list(range(BIG[0]))
-    assert batch[:, 0].tolist() == [float(i) for i in range(BIG[0])]
-    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
-    del batch
-    _transport.release_unsent()
