@@ -257,7 +257,7 @@ WAIT_FOR_BUFFER_FIRST_S = 0.005
 
 #: A wait longer than this counts as long: a worker that waited long (or in vain) for 2 of its
 #: last 3 buffers asks the pool to keep one buffer more.
-WAIT_LONG_S = 0.002
+WAIT_LONG_S = 0.005
 
 # BufferPool.state values.
 _EMPTY = 0  # no buffer in this slot
