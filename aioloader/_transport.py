@@ -840,7 +840,7 @@ class _TensorReducer:
         self, channel: _WorkerEnd | None, tag: tuple[int, int], pool: _WorkerEnd | None = None
     ) -> None:
         self._channel = channel
-        # Without a channel, a tensor in the worker's pool buffers is copied out: the buffer is
+        # Without a channel, a tensor in one of the pool's buffers is copied out: the buffer is
         # reused as soon as this task ends, and only the channel tells when the main process
         # is done with it.
         self._pool = pool
@@ -849,7 +849,7 @@ class _TensorReducer:
         self.fds: list[int] = []
         self._slots: dict[int, int] = {}
         self._keep: list[torch.UntypedStorage] = []  # each fd stays open until sent
-        #: The worker's pool buffers (slots) among them.
+        #: The pool buffers (slots) among them.
         self.pool_slots: set[int] = set()
 
     def __call__(self, t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -952,7 +952,7 @@ def dumps_result(obj: object, tag: tuple[int, int] = (-1, -1)) -> bytes:
     if reducer.fds:
         assert channel is not None
         if channel.send(tag, reducer.fds):
-            # The main process frees the pool buffers this result carries (track_pooled); any
+            # The main process frees the pool buffers this result carries (BufferPool.track); any
             # other buffer taken for this task (a streamed batch given up for default_collate)
             # stays in ``unsent`` for release_unsent().
             channel.unsent = [s for s in channel.unsent if s not in reducer.pool_slots]
