@@ -169,23 +169,32 @@ class FdChannel:
                         del self._pending[oldest]
 
     def _recv(self) -> tuple[tuple[int, int], list[int]]:
-        fds = array.array("i")
         try:
             msg, anc, flags, _ = self.main_end.recvmsg(
-                _HEADER.size, socket.CMSG_SPACE(_MAX_FDS_PER_RESULT * fds.itemsize)
+                _HEADER.size, socket.CMSG_SPACE(_MAX_FDS_PER_RESULT * _FD_SIZE)
             )
         except BlockingIOError:
             raise OSError(errno.ENOENT, "no descriptors were sent with this result") from None
-        for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+        fds = _received_fds(anc)
         epoch, send_idx, n = _HEADER.unpack(msg)
         if flags & socket.MSG_CTRUNC or len(fds) != n:
             # The kernel drops the descriptors it could not install (the process is at its
             # descriptor limit).
-            _close_all(list(fds))
+            _close_all(fds)
             raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
-        return (epoch, send_idx), list(fds)
+        return (epoch, send_idx), fds
+
+
+_FD_SIZE = array.array("i").itemsize
+
+
+def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors in a ``recvmsg`` result's ancillary data (``SCM_RIGHTS``)."""
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    return list(fds)
 
 
 _channels: weakref.WeakValueDictionary[int, FdChannel] = weakref.WeakValueDictionary()
@@ -649,19 +658,15 @@ class _WorkerEnd:
         # What the main process announced since the last call: the token pipe, and buffers,
         # mapped now.
         while True:
-            fds = array.array("i")
             try:
                 msg, anc, flags, _ = self.sock.recvmsg(
                     _ANNOUNCE.size,
-                    socket.CMSG_SPACE(2 * fds.itemsize),
+                    socket.CMSG_SPACE(2 * _FD_SIZE),
                     socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC,
                 )
             except OSError:  # none left (or the channel is closed)
                 return
-            for level, kind, data in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-            got = list(fds)
+            got = _received_fds(anc)
             if len(msg) != _ANNOUNCE.size or flags & socket.MSG_CTRUNC:
                 _close_all(got)
                 return
