@@ -257,8 +257,9 @@ POOL_BYTES = 64 * 1024 * 1024
 #: Upper bound of a pool's buffers per worker (small batches).
 MAX_SLOTS_PER_WORKER = 3
 
-#: How long a worker waits for a pool buffer when the pool is at its budget, before it builds
-#: its batch in a fresh segment instead (and stops waiting until buffers come back).
+#: How long a worker waits for a pool buffer when every buffer is in use and the pool may
+#: not make another, before it builds its batch in a fresh segment anyway (and stops waiting
+#: until buffers come back).
 WAIT_FOR_BUFFER_S = 0.05
 
 #: The same, for the earliest batch being loaded: the consumer may be waiting for it.
@@ -275,8 +276,14 @@ _SPARE = 2  # free: its token is in the pool's token pipe
 _RETURNED = 3  # a worker found it too small for its batch: the main process lets it go
 
 # Worker -> main: a tensor's storage is a batch buffer the worker made for this result (not
-# user memory), which the main process may keep for reuse once the consumer drops it.
+# user memory), which the main process may keep for reuse once the consumer drops it; made
+# with a permit (see BufferPool) or without one.
 _ADOPTABLE = -2
+_ADOPTABLE_PERMITTED = -3
+
+# The slot of a permit: a token that lets the worker that reads it make one fresh buffer.
+# (Not -1, which BufferPool.adopt returns for a buffer not kept.)
+_PERMIT = -4
 
 _ANNOUNCE = struct.Struct("=qqq")  # main -> worker: (slot, generation, nbytes) + descriptor(s)
 _TOKEN = struct.Struct("=ii")  # (slot, generation): one free buffer, in the token pipe
@@ -298,17 +305,25 @@ class BufferPool:
     thread drops it). Every worker is sent a buffer's descriptor once, on its channel, when
     the buffer joins the pool; a token whose generation is not the slot's current one is
     stale (the buffer left the pool) and is dropped by the worker that reads it.
+
+    The pool's size is bounded from the first batch on, not only once it has its buffers: a
+    worker makes a fresh buffer only with a *permit*, a token ``(_PERMIT, 0)`` in the same
+    pipe. The pool starts with as many permits as it may keep buffers; a permit becomes the
+    buffer made with it, or comes back when that batch is dropped (or was never sent). So
+    buffers and permits together never exceed the budget, and a worker that finds neither
+    waits for the consumer to drop a batch (the start of an epoch included), instead of adding
+    a batch of memory. A wait has a time limit (:data:`WAIT_FOR_BUFFER_S`), after which a
+    fresh segment is made anyway, as torch does; a permit lost with a killed worker only makes
+    the pool one buffer smaller.
     """
 
     def __init__(self, num_workers: int, raw_array: Callable[..., Any] | None = None) -> None:
         make = raw_array if raw_array is not None else _raw_array
         self.num_workers = max(1, num_workers)
         self.capacity = self.num_workers * MAX_SLOTS_PER_WORKER
-        # One byte per slot, then two flags: [capacity] is 1 while the pool is at its budget (a
-        # fresh buffer would not be kept), so that a worker waits for a buffer rather than make
-        # one; [capacity + 1] is set by a worker that keeps waiting (see _WorkerEnd.acquire),
-        # and lets the pool keep one buffer more.
-        self.state: Any = make(ctypes.c_ubyte, [_EMPTY] * (self.capacity + 2))
+        # One byte per slot, then a flag: [capacity] is set by a worker that keeps waiting (see
+        # _WorkerEnd.acquire), and lets the pool keep one buffer more.
+        self.state: Any = make(ctypes.c_ubyte, [_EMPTY] * (self.capacity + 1))
         self._allowed = self.num_workers + 1  # buffers kept whatever their size
         self.gens: Any = make(ctypes.c_int, [0] * self.capacity)
         self.channels: list[FdChannel] = []
@@ -327,12 +342,28 @@ class BufferPool:
         self._lock = threading.Lock()
         self._closed = False
         self._retry = False  # an announcement did not fit in a channel: send it again
+        # Permits not turned into buffers: in the pipe, with a worker, or in a batch alive here.
+        self._permits = 0
         # Not inherited by exec'd programs (os.pipe); a worker never blocks on it but in poll().
         self.tokens_r, self.tokens_w = os.pipe()
         os.set_blocking(self.tokens_r, False)
         os.set_blocking(self.tokens_w, False)
         self._remember(self.tokens_r, self.tokens_w)
+        self._issue(self._allowed)
         _pools.add(self)
+
+    def _issue(self, n: int) -> None:
+        # n permits more (called with the lock held, or before anyone else sees the pool).
+        for _ in range(n):
+            with contextlib.suppress(OSError):  # the pipe holds thousands: never full
+                os.write(self.tokens_w, _TOKEN.pack(_PERMIT, 0))
+                self._permits += 1
+
+    def _target(self, nbytes: int) -> int:
+        # Buffers (and permits) the pool may have, for buffers of nbytes: num_workers + 1, and
+        # more while they fit in the byte budget, up to capacity.
+        fit = POOL_BYTES * self.num_workers // max(1, nbytes)
+        return min(self.capacity, max(self._allowed, fit))
 
     def attach(self, channel: FdChannel) -> None:
         """Send worker ``channel.wid`` the token pipe and the buffers, on its channel."""
@@ -343,45 +374,56 @@ class BufferPool:
                 if self._fds[s] >= 0:
                     self._announce(channel, s)
 
-    def adopt(self, channel: FdChannel, fd: int, nbytes: int) -> int:
-        """Keep a worker's fresh batch buffer for reuse once its batch is dropped: its slot, or
-        -1 (over budget, or smaller than the pool's buffers: it goes when its batch goes)."""
+    def adopt(self, channel: FdChannel, fd: int, nbytes: int, permitted: bool = False) -> int:
+        """Keep a worker's fresh batch buffer for reuse once its batch is dropped: its slot;
+        or -1 (it goes when its batch goes: over budget, or smaller than the pool's buffers);
+        or :data:`_PERMIT` for a buffer made with a permit that is not kept: the permit comes
+        back when its batch goes (:meth:`track` it)."""
         with self._lock:
             if self._closed:
                 return -1
-            used = [s for s in range(self.capacity) if self._fds[s] >= 0]
-            state = self.state
-            if state[self.capacity + 1]:
-                # Workers keep finding every buffer in use: the consumer holds more batches than
-                # the budget allows for (a window of recent batches, say).
-                state[self.capacity + 1] = 0
-                self._allowed = min(self.capacity, max(self._allowed, len(used) + 1))
-            budget = POOL_BYTES * self.num_workers
-            pooled = sum(self._nbytes[s] for s in used)
-            if len(used) == self.capacity or (
-                len(used) >= self._allowed and pooled + nbytes > budget
-            ):
-                self._wanted = max(self._wanted, nbytes)
-                state[self.capacity] = 1
-                return -1
-            if used and nbytes < max(self._nbytes[s] for s in used):
-                return -1  # a short last batch, say: keep the pool's buffers one size
-            try:
-                dup = os.dup(fd)
-            except OSError:
-                return -1
-            slot = next(s for s in range(self.capacity) if self._fds[s] < 0)
-            self._remember(dup)
-            self._fds[slot] = dup
-            self._nbytes[slot] = nbytes
-            self.gens[slot] += 1
-            self.state[slot] = _BUSY
-            for ch in self.channels:
-                self._announce(ch, slot)
+            if permitted:
+                self._permits -= 1  # it becomes this buffer, or comes back with the batch
+            slot = self._keep(fd, nbytes)
+            if slot < 0 and permitted:
+                self._permits += 1
+                return _PERMIT
             return slot
 
+    def _keep(self, fd: int, nbytes: int) -> int:
+        # adopt(), with the lock held: the slot, or -1.
+        used = [s for s in range(self.capacity) if self._fds[s] >= 0]
+        state = self.state
+        if state[self.capacity]:
+            # Workers keep finding every buffer in use: the consumer holds more batches than
+            # the budget allows for (a window of recent batches, say).
+            state[self.capacity] = 0
+            self._allowed = min(self.capacity, max(self._allowed, len(used) + self._permits + 1))
+        size = max([nbytes, *(self._nbytes[s] for s in used)])
+        if len(used) + self._permits >= self._target(size) or len(used) == self.capacity:
+            self._wanted = max(self._wanted, nbytes)
+            return -1
+        if used and nbytes < size:
+            return -1  # a short last batch, say: keep the pool's buffers one size
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            return -1
+        slot = next(s for s in range(self.capacity) if self._fds[s] < 0)
+        self._remember(dup)
+        self._fds[slot] = dup
+        self._nbytes[slot] = nbytes
+        self.gens[slot] += 1
+        self.state[slot] = _BUSY
+        for ch in self.channels:
+            self._announce(ch, slot)
+        # Smaller batches: more buffers fit in the budget, so more may be made.
+        self._issue(self._target(size) - len(used) - 1 - self._permits)
+        return slot
+
     def track(self, storage: torch.UntypedStorage, slot: int) -> None:
-        """``storage`` maps buffer ``slot``: free it once no tensor uses it.
+        """``storage`` maps buffer ``slot``: free it once no tensor uses it (for
+        :data:`_PERMIT`, a buffer made with a permit and not kept: the permit comes back then).
 
         The slot is freed the moment the last tensor or view of ``storage`` in this process goes
         (a finaliser on the storage), so a worker's next batch can reuse it;
@@ -400,7 +442,8 @@ class BufferPool:
             fin.atexit = False  # at exit the batch may still be alive: nothing to hand back
 
     def release(self, slot: int) -> None:
-        """The batch in ``slot`` is gone: the buffer is free. Any thread, any time."""
+        """The batch in ``slot`` is gone: the buffer (or, for :data:`_PERMIT`, the permit it
+        was made with) is free. Any thread, any time."""
         self._freed.append(slot)
         self.hand_out()
 
@@ -442,6 +485,10 @@ class BufferPool:
                     self._evict(s)
             while self._freed:
                 s = self._freed.popleft()
+                if s == _PERMIT:
+                    with contextlib.suppress(OSError):
+                        os.write(self.tokens_w, _TOKEN.pack(_PERMIT, 0))
+                    continue
                 if self._nbytes[s] < self._wanted:
                     # Make room for a bigger one, once for each that was turned away: a single
                     # outsized batch must not turn every buffer over from then on.
@@ -483,7 +530,8 @@ class BufferPool:
 
     def _evict(self, slot: int) -> None:
         # Its token, if any, is stale now; workers drop their mapping when they see the
-        # generation change, and the memory goes with the last mapping.
+        # generation change, and the memory goes with the last mapping. A permit takes its
+        # place: the worker that needs a bigger buffer makes one.
         with contextlib.suppress(OSError):
             os.close(self._fds[slot])
         self._ids.pop(self._fds[slot], None)
@@ -491,7 +539,7 @@ class BufferPool:
         self._nbytes[slot] = 0
         self.gens[slot] += 1
         self.state[slot] = _EMPTY
-        self.state[self.capacity] = 0
+        self._issue(1)
 
     def _remember(self, *fds: int) -> None:
         for fd in fds:
@@ -575,13 +623,20 @@ class _WorkerEnd:
         self.mapped: dict[int, tuple[int, torch.UntypedStorage]] = {}  # slot -> (gen, buffer)
         self.slot_of: dict[int, int] = {}  # a pool buffer's data_ptr -> its slot
         self.unsent: list[int] = []  # slots acquired for the current task, not sent yet
-        #: data_ptrs of fresh batch buffers made for the current task (see :data:`_ADOPTABLE`).
-        self.fresh: set[int] = set()
+        #: Fresh batch buffers made for the current task (see :data:`_ADOPTABLE`): data_ptr ->
+        #: whether it was made with a permit.
+        self.fresh: dict[int, bool] = {}
+        #: Permits taken for the current task and not used for a fresh buffer yet.
+        self.permits = 0
+        #: data_ptrs of the task's fresh buffers made with a permit that went out with its
+        #: result (the main process has the permit now).
+        self.permits_sent: set[int] = set()
 
     def acquire(self, nbytes: int) -> torch.UntypedStorage | None:
-        """A free pool buffer of at least ``nbytes``, or None (make a fresh one). Its pages are
-        reused from an earlier batch: no allocation, no zero-filling. When every buffer is in
-        use and the pool is at its budget, waits for one (see :data:`WAIT_FOR_BUFFER_S`)."""
+        """A free pool buffer of at least ``nbytes``, or None (make a fresh one, with a permit
+        if one was taken: see :meth:`made_fresh`). A pool buffer's pages are reused from an
+        earlier batch: no allocation, no zero-filling. When every buffer is in use and no
+        permit is left, waits for one (see :data:`WAIT_FOR_BUFFER_S`)."""
         if self.state is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":  # type: ignore[no-untyped-call]
             return None
         self._receive()
@@ -594,10 +649,10 @@ class _WorkerEnd:
         found = self._take(nbytes)
         patience = _buffer_wait
         state = self.state
-        full, grow = len(state) - 2, len(state) - 1
-        if found < 0 and state[full] and self.patient and patience is not None:
-            # The pool is at its budget and every buffer is in use: one comes back as soon as
-            # the consumer drops a batch, and a fresh segment would add a batch of memory.
+        grow = len(state) - 1
+        if found is None and self.patient and patience is not None:
+            # Every buffer is in use and the pool may not make another: one comes back as soon
+            # as the consumer drops a batch, and a fresh segment would add a batch of memory.
             if sum(self.waited) >= 2:
                 # Waited long on most of the last batches: the consumer holds more batches than
                 # the pool has room for. Ask for one buffer more, and make it now.
@@ -615,23 +670,28 @@ class _WorkerEnd:
                 # buffer is free again when asked for.
                 self.patient = False
                 self.waited.append(True)
-        elif found >= 0:
+        elif found is not None:
             self.patient = True
             self.waited.append(False)
-        if found < 0:
+        if found is None:
+            return None
+        if found == _PERMIT:
+            self.permits += 1
             return None
         self.state[found] = _BUSY
         self.unsent.append(found)
         return self.mapped[found][1]
 
-    def _take(self, nbytes: int) -> int:
-        # A free buffer's slot from the token pipe, or -1.
+    def _take(self, nbytes: int) -> int | None:
+        # A free buffer's slot from the token pipe, else a permit (_PERMIT), else None. A
+        # permit is used only once the pipe holds no free buffer: reusing one is the point.
         assert self.tokens is not None
         gens = self.gens
-        unmapped: list[bytes] = []
-        found = -1
+        back: list[bytes] = []  # tokens read and not used: they go back in the pipe
+        permit: bytes | None = None
+        found: int | None = None
         try:
-            while found < 0:
+            while found is None:
                 try:
                     token = os.read(self.tokens[0], _TOKEN.size)
                 except BlockingIOError:
@@ -639,17 +699,27 @@ class _WorkerEnd:
                 if len(token) != _TOKEN.size:
                     break
                 slot, gen = _TOKEN.unpack(token)
+                if slot == _PERMIT:
+                    if permit is None:
+                        permit = token
+                    else:
+                        back.append(token)
+                    continue
                 if gens[slot] != gen:
                     continue  # stale: the buffer left the pool
                 entry = self.mapped.get(slot)
                 if entry is None or entry[0] != gen:
-                    unmapped.append(token)  # announced to us too late: another worker's
+                    back.append(token)  # announced to us too late: another worker's
                 elif entry[1].nbytes() < nbytes:
                     self.state[slot] = _RETURNED  # too small for these batches now
                 else:
                     found = slot
+            if permit is not None and found is None:
+                found = _PERMIT
         finally:
-            for token in unmapped:
+            if permit is not None and found != _PERMIT:
+                back.append(permit)
+            for token in back:
                 with contextlib.suppress(OSError):
                     os.write(self.tokens[1], token)
         return found
@@ -703,20 +773,32 @@ class _WorkerEnd:
             del self.slot_of[old[1].data_ptr()]
 
     def made_fresh(self, storage: torch.UntypedStorage) -> None:
-        """``storage`` is a fresh batch buffer of the current task: the pool may keep it."""
+        """``storage`` is a fresh batch buffer of the current task: the pool may keep it (made
+        with the permit :meth:`acquire` took, if any)."""
         if self.state is not None:
-            self.fresh.add(storage.data_ptr())
+            permitted = self.permits > 0
+            self.permits -= permitted
+            self.fresh[storage.data_ptr()] = permitted
 
     def release_unsent(self) -> None:
         """Free the buffers acquired for a task whose result did not go out through the
-        channel (their tokens go back in the pipe); forget the task's fresh buffers."""
+        channel (their tokens go back in the pipe), and the permits it took that did not go
+        out with it; forget the task's fresh buffers."""
+        tokens = [_TOKEN.pack(slot, self.mapped[slot][0]) for slot in self.unsent]
         for slot in self.unsent:
             self.state[slot] = _SPARE
-            if self.tokens is not None:
+        unused = self.permits + sum(
+            1 for ptr, permitted in self.fresh.items() if permitted and ptr not in self.permits_sent
+        )
+        tokens += [_TOKEN.pack(_PERMIT, 0)] * unused
+        if self.tokens is not None:
+            for token in tokens:
                 with contextlib.suppress(OSError):
-                    os.write(self.tokens[1], _TOKEN.pack(slot, self.mapped[slot][0]))
+                    os.write(self.tokens[1], token)
         self.unsent.clear()
         self.fresh.clear()
+        self.permits = 0
+        self.permits_sent.clear()
 
     def send(self, tag: tuple[int, int], fds: list[int]) -> bool:
         """Send ``fds`` tagged ``tag``; False (nothing sent) if the channel is full or closed."""
@@ -789,14 +871,16 @@ def _rebuild_channel_tensor(
                 fds = got[(key, *tag)] = channel.take(tag)
             storage = _map_received(fds[slot], nbytes)
         except BaseException:
-            if pool is not None and pool_slot >= 0:
-                pool.release(pool_slot)  # its batch never reaches anyone: the buffer is free
+            if pool is not None and (pool_slot >= 0 or pool_slot == _ADOPTABLE_PERMITTED):
+                # Its batch never reaches anyone: the buffer (or the permit) is free.
+                pool.release(pool_slot if pool_slot >= 0 else _PERMIT)
             raise
         storages[(key, *tag, slot)] = storage
         if pool is not None and pool_slot != -1:
-            if pool_slot == _ADOPTABLE:
-                pool_slot = pool.adopt(channel, fds[slot], nbytes)
-            if pool_slot >= 0:
+            if pool_slot in (_ADOPTABLE, _ADOPTABLE_PERMITTED):
+                permitted = pool_slot == _ADOPTABLE_PERMITTED
+                pool_slot = pool.adopt(channel, fds[slot], nbytes, permitted)
+            if pool_slot >= 0 or pool_slot == _PERMIT:
                 pool.track(storage, pool_slot)
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
@@ -854,8 +938,9 @@ class _TensorReducer:
         self.fds: list[int] = []
         self._slots: dict[int, int] = {}
         self._keep: list[torch.UntypedStorage] = []  # each fd stays open until sent
-        #: The pool buffers (slots) among them.
+        #: The pool buffers (slots) among them, and the fresh buffers made with a permit.
         self.pool_slots: set[int] = set()
+        self.permitted: set[int] = set()
 
     def __call__(self, t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         if t.is_nested or t.layout is not torch.strided:
@@ -900,7 +985,11 @@ class _TensorReducer:
                 if pool_slot >= 0:
                     self.pool_slots.add(pool_slot)
                 elif ptr in channel.fresh:
-                    pool_slot = _ADOPTABLE
+                    if channel.fresh[ptr]:
+                        pool_slot = _ADOPTABLE_PERMITTED
+                        self.permitted.add(ptr)
+                    else:
+                        pool_slot = _ADOPTABLE
                 return _rebuild_channel_tensor, (
                     channel.key,
                     self._tag,
@@ -961,6 +1050,7 @@ def dumps_result(obj: object, tag: tuple[int, int] = (-1, -1)) -> bytes:
             # other buffer taken for this task (a streamed batch given up for default_collate)
             # stays in ``unsent`` for release_unsent().
             channel.unsent = [s for s in channel.unsent if s not in reducer.pool_slots]
+            channel.permits_sent |= reducer.permitted
         else:
             # The channel is full or gone: pickle again the way torch does.
             data = _dumps(obj, _TensorReducer(None, tag, pool=channel))

@@ -359,14 +359,22 @@ def test_the_pool_budget_keeps_one_buffer_per_worker_and_one_more_for_big_batche
     channels = [_transport.FdChannel(pool, 0) for pool in pools]
     try:
         os.ftruncate(fd, big)
-        kept = [pools[0].adopt(channels[0], fd, big) for _ in range(4)]
-        assert kept == [0, 1, 2, -1]  # num_workers + 1
-        assert pools[0].state[pools[0].capacity] == 1  # at its budget: workers wait for one
-        got = [pools[1].adopt(channels[1], fd, 1 << 20) for _ in range(pools[1].capacity + 1)]
-        assert got == [*range(2 * _transport.MAX_SLOTS_PER_WORKER), -1]
-        pools[1]._evict(0)
-        assert pools[1].adopt(channels[1], fd, 1 << 19) == -1  # smaller than the pool's buffers
-        assert pools[1].adopt(channels[1], fd, 1 << 20) == 0
+        # num_workers + 1 permits, each made into a buffer; one made without is not kept.
+        assert pools[0]._permits == 3
+        kept = [pools[0].adopt(channels[0], fd, big, permitted=True) for _ in range(3)]
+        assert kept == [0, 1, 2] and pools[0]._permits == 0
+        assert pools[0].adopt(channels[0], fd, big) == -1
+        # Smaller buffers: once the first is kept, permits for as many as fit in the budget.
+        got = [pools[1].adopt(channels[1], fd, 1 << 20, permitted=True)]
+        assert pools[1]._permits == pools[1].capacity - 1
+        got += [pools[1].adopt(channels[1], fd, 1 << 20, permitted=True) for _ in range(5)]
+        assert got == [*range(2 * _transport.MAX_SLOTS_PER_WORKER)]
+        assert pools[1].adopt(channels[1], fd, 1 << 20) == -1  # no room, no permit
+        pools[1]._evict(0)  # a permit takes its place
+        assert pools[1]._permits == 1
+        # Smaller than the pool's buffers: not kept, and its permit comes back with its batch.
+        assert pools[1].adopt(channels[1], fd, 1 << 19, permitted=True) == _transport._PERMIT
+        assert pools[1].adopt(channels[1], fd, 1 << 20, permitted=True) == 0
     finally:
         for c in channels:
             c.close()

@@ -258,8 +258,9 @@ def _pooled_result(value: float) -> tuple[bytes, int]:
 
 def _warm(ch: _transport.FdChannel) -> int:
     """Give the pool its first buffer: a fresh batch, received and dropped. Its slot."""
-    assert _transport.pool_buffer(BIG, torch.float32) is None  # an empty pool has none
-    _transport.release_unsent()
+    assert _transport.pool_buffer(BIG, torch.float32) is None  # an empty pool has none...
+    assert _transport._worker_channel is not None and _transport._worker_channel.permits == 1
+    _transport.release_unsent()  # ...but a permit to make one, given back unused here
     batch = _transport.loads_result(_fresh_result(9.0))
     assert batch[0, 0].item() == 9.0
     pool = _pool(ch)
@@ -270,7 +271,7 @@ def _warm(ch: _transport.FdChannel) -> int:
     return slot
 
 
-def _tokens(pool: _transport.BufferPool) -> list[tuple[int, int]]:
+def _all_tokens(pool: _transport.BufferPool) -> list[tuple[int, int]]:
     """Take every token out of the pool's pipe (and put them back)."""
     got = []
     with contextlib.suppress(BlockingIOError):
@@ -279,6 +280,16 @@ def _tokens(pool: _transport.BufferPool) -> list[tuple[int, int]]:
     for token in got:
         os.write(pool.tokens_w, _transport._TOKEN.pack(*token))
     return got
+
+
+def _tokens(pool: _transport.BufferPool) -> list[tuple[int, int]]:
+    """The free buffers' tokens in the pool's pipe."""
+    return [t for t in _all_tokens(pool) if t[0] != _transport._PERMIT]
+
+
+def _permits(pool: _transport.BufferPool) -> int:
+    """The permits in the pool's pipe."""
+    return sum(t[0] == _transport._PERMIT for t in _all_tokens(pool))
 
 
 def test_this_torch_lets_a_storage_finaliser_hand_buffers_back() -> None:
@@ -415,24 +426,23 @@ def test_a_buffer_too_small_for_the_batches_now_is_let_go_for_a_bigger_one(
     _transport.release_unsent()
 
 
-def test_a_worker_waits_for_a_buffer_only_while_the_pool_is_at_its_budget(
+def test_the_pool_is_bounded_from_the_first_batch_and_a_worker_waits_for_a_buffer(
     pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_transport, "POOL_BYTES", 1)  # num_workers + 1 buffers: 2 here
-    _warm(pool_channel)
     pool = _pool(pool_channel)
+    assert _permits(pool) == 2 and _tokens(pool) == []
     waits: list[int] = []
     monkeypatch.setattr(_transport, "_buffer_wait", lambda: waits.append(1) or 5.0)
-    held = [_transport.loads_result(_pooled_result(1.0)[0])]
-    # The pool may still grow: no waiting, a fresh buffer (which the pool keeps).
-    assert _transport.pool_buffer(BIG, torch.float32) is None and waits == []
-    _transport.release_unsent()
-    held.append(_transport.loads_result(_fresh_result(2.0)))
-    assert pool.state[pool.capacity] == 0
-    held.append(_transport.loads_result(_fresh_result(3.0)))  # not kept: the pool is full
-    assert pool.state[pool.capacity] == 1
+    # The start of an epoch: each fresh buffer is made with a permit, and joins the pool.
+    held = [
+        _transport.loads_result(_fresh_result(1.0)),
+        _transport.loads_result(_fresh_result(2.0)),
+    ]
+    assert waits == [] and _permits(pool) == 0
     assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
-    # Every buffer is in use: the worker waits until the consumer drops a batch.
+    # A third batch while the consumer holds both: no third buffer, the worker waits until
+    # the consumer drops a batch.
     timer = threading.Timer(0.2, held.pop, args=(0,))
     timer.start()
     try:
@@ -444,17 +454,67 @@ def test_a_worker_waits_for_a_buffer_only_while_the_pool_is_at_its_budget(
         timer.join(10)
     del out
     _transport.release_unsent()  # not sent: the buffer is free again
-    # A consumer that keeps its batches: the wait times out once, then no more waiting.
+    # A consumer that keeps its batches: the wait times out once, then no more waiting, and
+    # the fresh buffers made meanwhile are not kept.
     monkeypatch.setattr(_transport, "_buffer_wait", lambda: waits.append(1) or 0.05)
     waits.clear()
     held.append(_transport.loads_result(_pooled_result(4.0)[0]))
     assert _transport.pool_buffer(BIG, torch.float32) is None and waits == [1]
     assert _transport.pool_buffer(BIG, torch.float32) is None and waits == [1]
     _transport.release_unsent()
+    held.append(_transport.loads_result(_fresh_result(5.0)))
+    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
     held.clear()  # buffers come back: waiting is on again
+    assert _permits(pool) == 0 and len(_tokens(pool)) == 2
     assert _transport.pool_buffer(BIG, torch.float32) is not None
     _transport.release_unsent()
     assert _transport._worker_channel is not None and _transport._worker_channel.patient
+
+
+def test_a_permit_not_used_or_not_kept_comes_back(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_transport, "POOL_BYTES", 1)
+    pool = _pool(pool_channel)
+    end = _transport._worker_channel
+    assert end is not None
+    # A buffer made with a permit that fails before it is sent (collate raised, say).
+    out = _transport.batch_buffer(BIG, torch.float32)
+    assert end.fresh == {out.untyped_storage().data_ptr(): True} and _permits(pool) == 1
+    _transport.release_unsent()
+    assert _permits(pool) == 2
+    del out
+    # A short last batch made with a permit: not kept (the pool's buffers stay one size), and
+    # its permit comes back when the consumer drops it.
+    kept = _transport.loads_result(_fresh_result(1.0))
+    out = _transport.batch_buffer((BIG[0] // 2, BIG[1]), torch.float32)
+    short = _transport.loads_result(_transport.dumps_result(out, (0, 2)))
+    _transport.release_unsent()
+    del out
+    assert _permits(pool) == 0
+    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 1
+    del short
+    assert _permits(pool) == 1
+    del kept
+    assert _permits(pool) == 1 and len(_tokens(pool)) == 1
+    # A permit's buffer whose batch cannot be received.
+    monkeypatch.setattr(_transport, "_buffer_wait", None)
+    held = _transport.pool_buffer(BIG, torch.float32)  # the pool's buffer, held
+    data = _fresh_result(3.0)
+    assert _permits(pool) == 0
+
+    def fail(self: _transport.FdChannel, tag: tuple[int, int]) -> list[int]:
+        raise OSError(errno.EMFILE, "no descriptors left")
+
+    monkeypatch.setattr(_transport.FdChannel, "take", fail)
+    with pytest.raises(OSError):
+        _transport.loads_result(data)
+    monkeypatch.undo()
+    assert _permits(pool) == 1
+    for fd in pool_channel.take((0, 3)):
+        os.close(fd)
+    del held
+    _transport.release_unsent()
 
 
 def _expected_view(j: int) -> torch.Tensor:
@@ -664,10 +724,12 @@ def test_a_pool_keeps_one_buffer_more_when_its_workers_keep_waiting() -> None:
     big = 64 << 20  # over POOL_BYTES together: num_workers + 1 buffers
     try:
         os.ftruncate(fd, big)
-        assert [pool.adopt(ch, fd, big) for _ in range(3)] == [0, 1, -1]
-        pool.state[pool.capacity + 1] = 1  # what a worker that keeps waiting sets
+        # The pool's two permits, then one made without (after a wait that timed out).
+        assert [pool.adopt(ch, fd, big, permitted=True) for _ in range(2)] == [0, 1]
+        assert pool.adopt(ch, fd, big) == -1
+        pool.state[pool.capacity] = 1  # what a worker that keeps waiting sets
         assert pool.adopt(ch, fd, big) == 2
-        assert pool.state[pool.capacity + 1] == 0
+        assert pool.state[pool.capacity] == 0
         assert pool.adopt(ch, fd, big) == -1  # one more, not more
     finally:
         ch.close()
@@ -679,15 +741,15 @@ def _every_buffer_held(
     ch: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch, wait_s: float
 ) -> tuple[_transport.BufferPool, list[torch.Tensor]]:
     """A pool of num_workers + 1 = 2 buffers at its budget, both held by the consumer (the
-    batches returned); workers may wait ``wait_s`` for a buffer."""
+    batches returned), no permit left; workers may wait ``wait_s`` for a buffer."""
     monkeypatch.setattr(_transport, "POOL_BYTES", 1)
     _warm(ch)
     monkeypatch.setattr(_transport, "_buffer_wait", lambda: wait_s)
     held = [_transport.loads_result(_pooled_result(1.0)[0])]
     held.append(_transport.loads_result(_fresh_result(2.0)))
-    held.append(_transport.loads_result(_fresh_result(3.0)))  # refused: at the budget
     pool = _pool(ch)
-    assert pool.state[pool.capacity] == 1
+    assert _permits(pool) == 0
+    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
     return pool, held
 
 
@@ -695,7 +757,7 @@ def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
     pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pool, held = _every_buffer_held(pool_channel, monkeypatch, wait_s=0.01)
-    grow = pool.capacity + 1
+    grow = pool.capacity
     end = _transport._worker_channel
     assert end is not None
     for _ in range(2):  # two waits in vain
