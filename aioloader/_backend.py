@@ -96,12 +96,15 @@ class Launcher(Protocol):
 
 
 class Direct:
-    """A batch loaded in this process: no transport needed. ``value`` is the batch itself."""
+    """A batch loaded in this process, or received from a worker and rebuilt here. ``value`` is
+    the batch itself; ``buffers`` the pool buffers it holds (see
+    :func:`~aioloader._transport.delivered`)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("buffers", "value")
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, buffers: tuple[Any, ...] = ()) -> None:
         self.value = value
+        self.buffers = buffers
 
 
 class ThreadBackend:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch._utils import ExceptionWrapper
 
-from . import _worker
+from . import _transport, _worker
 from ._backend import Direct
 from ._device import DeviceStage
 from ._errors import AioLoaderError, EpochEndedError, LoaderTimeoutError, WorkerCrashedError
@@ -403,6 +403,9 @@ class Consumer:
         value: Any
         if isinstance(data, Direct):
             value = data.value
+            if data.buffers:
+                # The pool tells a consumer that keeps batches from waits it would not cure.
+                _transport.delivered(data.buffers)
         elif isinstance(data, _worker.RemoteError):
             raise_remote(data)
         elif isinstance(data, Failure):

@@ -553,7 +553,9 @@ def receive(fut: Future[Any]) -> Any:
     if not isinstance(res.data, bytes):
         return res
     try:
-        return res._replace(data=Direct(_transport.loads_result(res.data)))
+        buffers: list[tuple[_transport.BufferPool, int]] = []
+        value = _transport.loads_result(res.data, buffers)
+        return res._replace(data=Direct(value, tuple(buffers)))
     except (OSError, RuntimeError, EOFError) as exc:
         # At the descriptor limit, receiving a batch's fd fails with EMFILE, or with
         # multiprocessing's "received 0 items of ancdata" when the fd was dropped.

@@ -339,6 +339,11 @@ class BufferPool:
         self._nbytes = [0] * self.capacity
         self._wanted = 0  # the largest buffer that found the pool full
         self._freed: collections.deque[int] = collections.deque()
+        self._size = 0  # the size of the pool's buffers: the largest batch buffer seen
+        # The outstanding entries whose batch went to the consumer (see _consumer_keeps).
+        self._delivered: set[int] = set()
+        # A result carried more than one batch buffer (a dict of large tensors, say).
+        self._multi = False
         self._lock = threading.Lock()
         self._closed = False
         self._retry = False  # an announcement did not fit in a channel: send it again
@@ -384,23 +389,34 @@ class BufferPool:
                 return -1
             if permitted:
                 self._permits -= 1  # it becomes this buffer, or comes back with the batch
-            slot = self._keep(fd, nbytes)
+            slot = self._keep(fd, nbytes, permitted)
             if slot < 0 and permitted:
                 self._permits += 1
                 return _PERMIT
             return slot
 
-    def _keep(self, fd: int, nbytes: int) -> int:
+    def _keep(self, fd: int, nbytes: int, permitted: bool) -> int:
         # adopt(), with the lock held: the slot, or -1.
         used = [s for s in range(self.capacity) if self._fds[s] >= 0]
         state = self.state
         if state[self.capacity]:
-            # Workers keep finding every buffer in use: the consumer holds more batches than
-            # the budget allows for (a window of recent batches, say).
+            # Workers keep finding every buffer in use. Grow if the consumer holds more batches
+            # than the budget allows for (a window of recent batches, say), or batches take
+            # several buffers each; not for waits the order of delivery makes anyway (a worker
+            # a batch ahead of the other waits for the other's batch to reach the consumer).
             state[self.capacity] = 0
-            self._allowed = min(self.capacity, max(self._allowed, len(used) + self._permits + 1))
+            if self._multi or self._consumer_keeps():
+                self._allowed = min(
+                    self.capacity, max(self._allowed, len(used) + self._permits + 1)
+                )
         size = max([nbytes, *(self._nbytes[s] for s in used)])
-        if len(used) + self._permits >= self._target(size) or len(used) == self.capacity:
+        self._size = max(self._size, size)
+        target = self._target(size)
+        # A permit turning into its buffer leaves the total as it is: it needs a free place
+        # only. (Bigger batches than before lower the target below what the permits out add
+        # up to: the surplus is retired as permits come back, see hand_out.)
+        room = len(used) < target if permitted else len(used) + self._permits < target
+        if not room or len(used) == self.capacity:
             self._wanted = max(self._wanted, nbytes)
             return -1
         if used and nbytes < size:
@@ -421,9 +437,34 @@ class BufferPool:
         self._issue(self._target(size) - len(used) - 1 - self._permits)
         return slot
 
-    def track(self, storage: torch.UntypedStorage, slot: int) -> None:
+    def _consumer_keeps(self) -> bool:
+        # Whether the consumer holds buffers of two delivered batches or more: it keeps batches
+        # besides the one it works on. (A consumer that keeps none holds its last batch until
+        # the next one is handed over, and no result is received in between.) Finalisers pop
+        # outstanding entries on any thread: each step here is one atomic set operation.
+        outstanding = self.outstanding
+        held = 0
+        for entry in list(self._delivered):
+            if entry in outstanding:
+                held += 1
+            else:
+                self._delivered.discard(entry)
+        return held >= 2
+
+    def delivered(self, entries: tuple[int, ...]) -> None:
+        """The batch holding these entries (of :meth:`track`) went to the consumer."""
+        outstanding = self.outstanding
+        for entry in entries:
+            if entry in outstanding:
+                self._delivered.add(entry)
+        if len(self._delivered) > 2 * self.capacity:
+            # Forget the batches dropped since (a pool that is never asked to grow never looks).
+            self._delivered = {e for e in list(self._delivered) if e in outstanding}
+
+    def track(self, storage: torch.UntypedStorage, slot: int) -> int:
         """``storage`` maps buffer ``slot``: free it once no tensor uses it (for
         :data:`_PERMIT`, a buffer made with a permit and not kept: the permit comes back then).
+        Returns its entry, for :meth:`delivered`.
 
         The slot is freed the moment the last tensor or view of ``storage`` in this process goes
         (a finaliser on the storage), so a worker's next batch can reuse it;
@@ -440,6 +481,7 @@ class BufferPool:
                 storage, _release_if_sole, weakref.ref(self), entry, limit, os.getpid()
             )
             fin.atexit = False  # at exit the batch may still be alive: nothing to hand back
+        return entry
 
     def release(self, slot: int) -> None:
         """The batch in ``slot`` is gone: the buffer (or, for :data:`_PERMIT`, the permit it
@@ -486,8 +528,11 @@ class BufferPool:
             while self._freed:
                 s = self._freed.popleft()
                 if s == _PERMIT:
-                    with contextlib.suppress(OSError):
-                        os.write(self.tokens_w, _TOKEN.pack(_PERMIT, 0))
+                    if self._surplus() > 0:
+                        self._permits -= 1  # the target fell (bigger batches): retire it
+                    else:
+                        with contextlib.suppress(OSError):
+                            os.write(self.tokens_w, _TOKEN.pack(_PERMIT, 0))
                     continue
                 if self._nbytes[s] < self._wanted:
                     # Make room for a bigger one, once for each that was turned away: a single
@@ -539,7 +584,13 @@ class BufferPool:
         self._nbytes[slot] = 0
         self.gens[slot] += 1
         self.state[slot] = _EMPTY
-        self._issue(1)
+        if self._surplus() < 0:
+            self._issue(1)
+
+    def _surplus(self) -> int:
+        # Buffers and permits beyond the pool's target for its current buffer size.
+        used = sum(fd >= 0 for fd in self._fds)
+        return used + self._permits - self._target(max(self._size, self._wanted, 1))
 
     def _remember(self, *fds: int) -> None:
         for fd in fds:
@@ -836,10 +887,13 @@ def _rebuild_inline_tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ..
 
 
 class _Receiving(threading.local):
-    # Per thread, while loads_result runs: descriptors taken per (channel key, tag), and the
-    # storages rebuilt from them (views of one storage share it, as in the worker).
+    # Per thread, while loads_result runs: descriptors taken per (channel key, tag), the
+    # storages rebuilt from them (views of one storage share it, as in the worker), and the
+    # pool entries tracked for the result with the number of its pool (or poolable) buffers.
     fds: dict[tuple[int, int, int], list[int]] | None = None
     storages: dict[tuple[int, int, int, int], torch.UntypedStorage] | None = None
+    tracked: list[tuple[BufferPool, int]] | None = None
+    pooled = 0
 
 
 _receiving = _Receiving()
@@ -877,11 +931,16 @@ def _rebuild_channel_tensor(
             raise
         storages[(key, *tag, slot)] = storage
         if pool is not None and pool_slot != -1:
+            _receiving.pooled += 1
+            if _receiving.pooled > 1:
+                pool._multi = True
             if pool_slot in (_ADOPTABLE, _ADOPTABLE_PERMITTED):
                 permitted = pool_slot == _ADOPTABLE_PERMITTED
                 pool_slot = pool.adopt(channel, fds[slot], nbytes, permitted)
             if pool_slot >= 0 or pool_slot == _PERMIT:
-                pool.track(storage, pool_slot)
+                entry = pool.track(storage, pool_slot)
+                if _receiving.tracked is not None:
+                    _receiving.tracked.append((pool, entry))
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
@@ -1119,8 +1178,11 @@ def _dumps(obj: object, reducer: _TensorReducer) -> bytes:
     return buf.getvalue()
 
 
-def loads_result(data: bytes) -> Any:
+def loads_result(data: bytes, tracked: list[tuple[BufferPool, int]] | None = None) -> Any:
     """Rebuild a batch pickled by :func:`dumps_result`. Thread-safe.
+
+    ``tracked`` receives ``(pool, entry)`` for each pool buffer the batch holds: pass them to
+    :func:`delivered` when the consumer gets the batch.
 
     Raises ``OSError`` if a shared-memory tensor's descriptor cannot be received (``EMFILE`` at
     the descriptor limit).
@@ -1129,16 +1191,28 @@ def loads_result(data: bytes) -> Any:
     # from: a worker's next batch finds a free buffer sooner.
     for pool in list(_pools):
         pool.release_dropped()
-    outer = _receiving.fds
+    outer = (_receiving.fds, _receiving.tracked, _receiving.pooled)
     _receiving.fds, _receiving.storages = {}, {}
+    _receiving.tracked, _receiving.pooled = tracked, 0
     try:
         return pickle.loads(data)
     finally:
         taken = _receiving.fds
-        _receiving.fds, _receiving.storages = outer, None
+        _receiving.fds, _receiving.tracked, _receiving.pooled = outer
+        _receiving.storages = None
         for fds in taken.values():
             # The storages hold duplicates of their own.
             _close_all(fds)
+
+
+def delivered(tracked: tuple[tuple[BufferPool, int], ...]) -> None:
+    """The consumer got the batch whose pool buffers :func:`loads_result` listed in
+    ``tracked`` (see :meth:`BufferPool.delivered`)."""
+    pools: dict[BufferPool, list[int]] = {}
+    for pool, entry in tracked:
+        pools.setdefault(pool, []).append(entry)
+    for pool, entries in pools.items():
+        pool.delivered(tuple(entries))
 
 
 # --------------------------------------------------------------------------------------------------

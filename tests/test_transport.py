@@ -717,7 +717,7 @@ def test_only_a_worker_behind_another_waits_long_for_a_buffer() -> None:
         state.slots, state.epoch_slots, state.worker_id = saved
 
 
-def test_a_pool_keeps_one_buffer_more_when_its_workers_keep_waiting() -> None:
+def test_a_pool_of_batches_with_several_buffers_keeps_one_more_when_workers_keep_waiting() -> None:
     fd = os.memfd_create("aioloader-test")
     pool = _transport.BufferPool(num_workers=1)
     ch = _transport.FdChannel(pool, 0)
@@ -728,6 +728,9 @@ def test_a_pool_keeps_one_buffer_more_when_its_workers_keep_waiting() -> None:
         assert [pool.adopt(ch, fd, big, permitted=True) for _ in range(2)] == [0, 1]
         assert pool.adopt(ch, fd, big) == -1
         pool.state[pool.capacity] = 1  # what a worker that keeps waiting sets
+        assert pool.adopt(ch, fd, big) == -1  # batches of one buffer, none kept: no reason
+        pool.state[pool.capacity] = 1
+        pool._multi = True  # a result carried two of the pool's buffers
         assert pool.adopt(ch, fd, big) == 2
         assert pool.state[pool.capacity] == 0
         assert pool.adopt(ch, fd, big) == -1  # one more, not more
@@ -737,16 +740,23 @@ def test_a_pool_keeps_one_buffer_more_when_its_workers_keep_waiting() -> None:
         os.close(fd)
 
 
+def _delivered(data: bytes) -> torch.Tensor:
+    """A batch received and handed to the consumer."""
+    tracked: list[tuple[_transport.BufferPool, int]] = []
+    batch = _transport.loads_result(data, tracked)
+    _transport.delivered(tuple(tracked))
+    return batch
+
+
 def _every_buffer_held(
     ch: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch, wait_s: float
 ) -> tuple[_transport.BufferPool, list[torch.Tensor]]:
     """A pool of num_workers + 1 = 2 buffers at its budget, both held by the consumer (the
-    batches returned), no permit left; workers may wait ``wait_s`` for a buffer."""
+    batches delivered and returned), no permit left; workers may wait ``wait_s`` for a buffer."""
     monkeypatch.setattr(_transport, "POOL_BYTES", 1)
     _warm(ch)
     monkeypatch.setattr(_transport, "_buffer_wait", lambda: wait_s)
-    held = [_transport.loads_result(_pooled_result(1.0)[0])]
-    held.append(_transport.loads_result(_fresh_result(2.0)))
+    held = [_delivered(_pooled_result(1.0)[0]), _delivered(_fresh_result(2.0))]
     pool = _pool(ch)
     assert _permits(pool) == 0
     assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
@@ -768,8 +778,38 @@ def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
     assert _transport.pool_buffer(BIG, torch.float32) is None  # asks instead of waiting
     assert pool.state[grow] == 1 and not end.waited
     held.append(_transport.loads_result(_fresh_result(4.0)))
+    # The consumer holds both buffers: it keeps batches, so the pool keeps one buffer more.
     assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 3
     _transport.release_unsent()
+
+
+def test_the_pool_grows_for_a_consumer_that_keeps_batches_not_for_one_that_waits(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_transport, "POOL_BYTES", 1)  # num_workers + 1 buffers: 2 here
+    pool = _pool(pool_channel)
+    grow = pool.capacity
+
+    def receive(value: float) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        tracked: list[tuple[_transport.BufferPool, int]] = []
+        batch = _transport.loads_result(_fresh_result(value), tracked)
+        return batch, tuple(tracked)
+
+    def kept() -> int:
+        return sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity))
+
+    (first, first_buffers), (second, second_buffers) = receive(1.0), receive(2.0)
+    assert kept() == 2 and len(first_buffers) == len(second_buffers) == 1
+    _transport.delivered(first_buffers)  # the consumer works on the first; the second waits
+    pool.state[grow] = 1  # a worker kept waiting (for the batch ahead of it, say)
+    third = _transport.loads_result(_fresh_result(3.0))
+    assert kept() == 2 and pool.state[grow] == 0  # no reason to grow: not kept
+    del third
+    _transport.delivered(second_buffers)  # and the consumer still holds the first: it keeps it
+    pool.state[grow] = 1
+    fourth = _transport.loads_result(_fresh_result(4.0))
+    assert kept() == 3
+    del first, second, fourth
 
 
 def test_one_outsized_batch_turns_over_one_buffer_not_all_of_them(
@@ -811,3 +851,37 @@ def test_a_pool_buffer_whose_batch_cannot_be_received_is_free_again(
     # The descriptors sent with it are still on the channel: take them out and close them.
     for fd in pool_channel.take((0, 1)):
         os.close(fd)
+
+
+def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small batches fill the pool with small buffers (and permits for as many as fit); bigger
+    # batches then let them go, each leaving a permit. The surplus over the (lower) target for
+    # the bigger size must not stop the pool from keeping buffers again.
+    monkeypatch.setattr(_transport, "_buffer_wait", None)
+    pool = _pool(pool_channel)
+    end = _transport._worker_channel
+    assert end is not None
+    small, big = (256, 1024), (24, 256, 1024)  # 1 MiB, 24 MiB of float32
+    assert pool._target(big[0] * big[1] * big[2] * 4) == 2
+
+    def two_batches(shape: tuple[int, ...], value: float) -> int:
+        """Two batches in flight at once, then dropped; how many reused a pool buffer."""
+        held, reused = [], 0
+        for k in range(2):
+            out = _transport.batch_buffer(shape, torch.float32)
+            reused += out.untyped_storage().data_ptr() in end.slot_of
+            out.fill_(value + k)
+            held.append(_transport.loads_result(_transport.dumps_result(out, (0, 2 * k))))
+            _transport.release_unsent()
+            del out
+        assert [float(b.flatten()[0]) for b in held] == [value, value + 1]
+        return reused
+
+    assert sum(two_batches(small, float(i)) for i in range(10)) >= 18
+    assert sum(two_batches(big, float(i)) for i in range(10)) >= 18
+    kept = [n for n in pool._nbytes if n]
+    assert kept == [big[0] * big[1] * big[2] * 4] * 2
+    # Buffers and permits together come back to the target as the surplus permits return.
+    assert len(kept) + pool._permits <= 3 and _permits(pool) == pool._permits
