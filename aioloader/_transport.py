@@ -285,6 +285,10 @@ _ADOPTABLE_PERMITTED = -3
 # (Not -1, which BufferPool.adopt returns for a buffer not kept.)
 _PERMIT = -4
 
+# BufferPool.track's slot for a fresh buffer the pool did not keep: tracked only so that the
+# pool sees how many delivered batches the consumer holds; nothing to free.
+_UNKEPT = -5
+
 _ANNOUNCE = struct.Struct("=qqq")  # main -> worker: (slot, generation, nbytes) + descriptor(s)
 _TOKEN = struct.Struct("=ii")  # (slot, generation): one free buffer, in the token pipe
 _TOKEN_PIPE = -1  # the announced "slot" of the token pipe's two ends
@@ -400,12 +404,18 @@ class BufferPool:
         used = [s for s in range(self.capacity) if self._fds[s] >= 0]
         state = self.state
         if state[self.capacity]:
-            # Workers keep finding every buffer in use. Grow if the consumer holds more batches
-            # than the budget allows for (a window of recent batches, say), or batches take
-            # several buffers each; not for waits the order of delivery makes anyway (a worker
-            # a batch ahead of the other waits for the other's batch to reach the consumer).
+            # Workers keep finding every buffer in use: keep one buffer more, up to
+            # num_workers + 2 (a consumer whose step is as long as a batch's loading holds one
+            # while another waits for it, done). Past that only if the consumer holds more
+            # batches (a window of recent ones, say) or batches take several buffers each; not
+            # for waits the order of delivery makes anyway (a worker a batch ahead of the other
+            # waits for the other's batch to reach the consumer).
             state[self.capacity] = 0
-            if self._multi or self._consumer_keeps():
+            if (
+                self._multi
+                or len(used) + self._permits < self.num_workers + 2
+                or self._consumer_keeps()
+            ):
                 self._allowed = min(
                     self.capacity, max(self._allowed, len(used) + self._permits + 1)
                 )
@@ -463,8 +473,9 @@ class BufferPool:
 
     def track(self, storage: torch.UntypedStorage, slot: int) -> int:
         """``storage`` maps buffer ``slot``: free it once no tensor uses it (for
-        :data:`_PERMIT`, a buffer made with a permit and not kept: the permit comes back then).
-        Returns its entry, for :meth:`delivered`.
+        :data:`_PERMIT`, a buffer made with a permit and not kept: the permit comes back then;
+        for :data:`_UNKEPT`, one made without: nothing to free). Returns its entry, for
+        :meth:`delivered`.
 
         The slot is freed the moment the last tensor or view of ``storage`` in this process goes
         (a finaliser on the storage), so a worker's next batch can reuse it;
@@ -527,6 +538,8 @@ class BufferPool:
                     self._evict(s)
             while self._freed:
                 s = self._freed.popleft()
+                if s == _UNKEPT:
+                    continue
                 if s == _PERMIT:
                     if self._surplus() > 0:
                         self._permits -= 1  # the target fell (bigger batches): retire it
@@ -937,10 +950,11 @@ def _rebuild_channel_tensor(
             if pool_slot in (_ADOPTABLE, _ADOPTABLE_PERMITTED):
                 permitted = pool_slot == _ADOPTABLE_PERMITTED
                 pool_slot = pool.adopt(channel, fds[slot], nbytes, permitted)
-            if pool_slot >= 0 or pool_slot == _PERMIT:
-                entry = pool.track(storage, pool_slot)
-                if _receiving.tracked is not None:
-                    _receiving.tracked.append((pool, entry))
+            if pool_slot == -1:
+                pool_slot = _UNKEPT
+            entry = pool.track(storage, pool_slot)
+            if _receiving.tracked is not None:
+                _receiving.tracked.append((pool, entry))
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 

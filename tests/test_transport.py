@@ -154,10 +154,11 @@ def pooled_slots(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
     calls: list[tuple[int, float]] = []
     orig = _transport.BufferPool.track
 
-    def recording(self: _transport.BufferPool, storage: torch.UntypedStorage, slot: int) -> None:
-        first = torch.empty(0).set_(storage, 0, (1,), (1,))
-        calls.append((slot, float(first[0])))
-        orig(self, storage, slot)
+    def recording(self: _transport.BufferPool, storage: torch.UntypedStorage, slot: int) -> int:
+        if slot >= 0:  # not a fresh buffer the pool did not keep
+            first = torch.empty(0).set_(storage, 0, (1,), (1,))
+            calls.append((slot, float(first[0])))
+        return orig(self, storage, slot)
 
     monkeypatch.setattr(_transport.BufferPool, "track", recording)
     return calls
@@ -717,26 +718,47 @@ def test_only_a_worker_behind_another_waits_long_for_a_buffer() -> None:
         state.slots, state.epoch_slots, state.worker_id = saved
 
 
-def test_a_pool_of_batches_with_several_buffers_keeps_one_more_when_workers_keep_waiting() -> None:
+def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batches() -> None:
     fd = os.memfd_create("aioloader-test")
-    pool = _transport.BufferPool(num_workers=1)
-    ch = _transport.FdChannel(pool, 0)
+    pools = [_transport.BufferPool(num_workers=2) for _ in range(2)]
+    channels = [_transport.FdChannel(pool, 0) for pool in pools]
     big = 64 << 20  # over POOL_BYTES together: num_workers + 1 buffers
+    pool, ch = pools[0], channels[0]
+    grow = pool.capacity
     try:
         os.ftruncate(fd, big)
-        # The pool's two permits, then one made without (after a wait that timed out).
-        assert [pool.adopt(ch, fd, big, permitted=True) for _ in range(2)] == [0, 1]
+        # The pool's three permits, then one made without (after a wait that timed out).
+        assert [pool.adopt(ch, fd, big, permitted=True) for _ in range(3)] == [0, 1, 2]
         assert pool.adopt(ch, fd, big) == -1
-        pool.state[pool.capacity] = 1  # what a worker that keeps waiting sets
-        assert pool.adopt(ch, fd, big) == -1  # batches of one buffer, none kept: no reason
-        pool.state[pool.capacity] = 1
-        pool._multi = True  # a result carried two of the pool's buffers
-        assert pool.adopt(ch, fd, big) == 2
-        assert pool.state[pool.capacity] == 0
+        pool.state[grow] = 1  # what a worker that keeps waiting sets
+        assert pool.adopt(ch, fd, big) == 3  # one more on asking: num_workers + 2
+        assert pool.state[grow] == 0
+        pool.state[grow] = 1
+        assert pool.adopt(ch, fd, big) == -1  # past that, waits alone are no reason
+        # The consumer holds two delivered batches (one in no pool buffer): it keeps batches.
+        held = [torch.UntypedStorage._new_shared_fd_cpu(fd, 64) for _ in range(2)]  # type: ignore[attr-defined]
+        entries = (pool.track(held[0], 0), pool.track(held[1], _transport._UNKEPT))
+        pool.delivered(entries[:1])
+        pool.state[grow] = 1
+        assert pool.adopt(ch, fd, big) == -1  # one delivered batch held: the one it works on
+        pool.delivered(entries[1:])
+        pool.state[grow] = 1
+        assert pool.adopt(ch, fd, big) == 4
         assert pool.adopt(ch, fd, big) == -1  # one more, not more
+        # Batches that take several buffers each: the pool grows on asking as well.
+        other, och = pools[1], channels[1]
+        assert [other.adopt(och, fd, big, permitted=True) for _ in range(3)] == [0, 1, 2]
+        other.state[grow] = 1
+        assert other.adopt(och, fd, big) == 3
+        other._multi = True  # a result carried two of the pool's buffers
+        other.state[grow] = 1
+        assert other.adopt(och, fd, big) == 4
+        del held
     finally:
-        ch.close()
-        pool.close()
+        for c in channels:
+            c.close()
+        for p in pools:
+            p.close()
         os.close(fd)
 
 
@@ -781,76 +803,6 @@ def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
     # The consumer holds both buffers: it keeps batches, so the pool keeps one buffer more.
     assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 3
     _transport.release_unsent()
-
-
-def test_the_pool_grows_for_a_consumer_that_keeps_batches_not_for_one_that_waits(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_transport, "POOL_BYTES", 1)  # num_workers + 1 buffers: 2 here
-    pool = _pool(pool_channel)
-    grow = pool.capacity
-
-    def receive(value: float) -> tuple[torch.Tensor, tuple[Any, ...]]:
-        tracked: list[tuple[_transport.BufferPool, int]] = []
-        batch = _transport.loads_result(_fresh_result(value), tracked)
-        return batch, tuple(tracked)
-
-    def kept() -> int:
-        return sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity))
-
-    (first, first_buffers), (second, second_buffers) = receive(1.0), receive(2.0)
-    assert kept() == 2 and len(first_buffers) == len(second_buffers) == 1
-    _transport.delivered(first_buffers)  # the consumer works on the first; the second waits
-    pool.state[grow] = 1  # a worker kept waiting (for the batch ahead of it, say)
-    third = _transport.loads_result(_fresh_result(3.0))
-    assert kept() == 2 and pool.state[grow] == 0  # no reason to grow: not kept
-    del third
-    _transport.delivered(second_buffers)  # and the consumer still holds the first: it keeps it
-    pool.state[grow] = 1
-    fourth = _transport.loads_result(_fresh_result(4.0))
-    assert kept() == 3
-    del first, second, fourth
-
-
-def test_one_outsized_batch_turns_over_one_buffer_not_all_of_them(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_transport, "POOL_BYTES", 1)
-    _warm(pool_channel)
-    pool = _pool(pool_channel)
-    held = [_transport.loads_result(_pooled_result(1.0)[0])]
-    held.append(_transport.loads_result(_fresh_result(2.0)))  # the pool's second buffer
-    out = _transport.batch_buffer((BIG[0] * 2, BIG[1]), torch.float32)  # an outsized one
-    held.append(_transport.loads_result(_transport.dumps_result(out, (0, 9))))
-    _transport.release_unsent()
-    del out
-    gens = list(pool.gens)
-    held.clear()  # both normal buffers come back: one is let go for the bigger one, once
-    changed = [s for s in range(pool.capacity) if pool.gens[s] != gens[s]]
-    assert len(changed) == 1 and pool.state[changed[0]] == _transport._EMPTY
-    kept = [s for s in range(pool.capacity) if pool.state[s] == _transport._SPARE]
-    assert len(kept) == 1
-
-
-def test_a_pool_buffer_whose_batch_cannot_be_received_is_free_again(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _warm(pool_channel)
-    pool = _pool(pool_channel)
-    data, slot = _pooled_result(1.0)
-
-    def fail(self: _transport.FdChannel, tag: tuple[int, int]) -> list[int]:
-        raise OSError(errno.EMFILE, "no descriptors left")
-
-    monkeypatch.setattr(_transport.FdChannel, "take", fail)
-    with pytest.raises(OSError):
-        _transport.loads_result(data)
-    monkeypatch.undo()
-    assert pool.state[slot] == _transport._SPARE
-    assert _tokens(pool) == [(slot, pool.gens[slot])]
-    # The descriptors sent with it are still on the channel: take them out and close them.
-    for fd in pool_channel.take((0, 1)):
-        os.close(fd)
 
 
 def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
