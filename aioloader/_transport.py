@@ -342,8 +342,11 @@ class BufferPool:
         self._ids: dict[int, tuple[int, int]] = {}
         self._nbytes = [0] * self.capacity
         self._wanted = 0  # the largest buffer that found the pool full
+        # The bytes of the last batch tensors received that are (or could be) in pool buffers:
+        # the pool's target follows the biggest of them, so that neither a batch's small
+        # tensors nor one outsized batch set the pool's size for good.
+        self._recent: collections.deque[int] = collections.deque(maxlen=2 * self.capacity)
         self._freed: collections.deque[int] = collections.deque()
-        self._size = 0  # the size of the pool's buffers: the largest batch buffer seen
         # The outstanding entries whose batch went to the consumer (see _consumer_keeps).
         self._delivered: set[int] = set()
         # A result carried more than one batch buffer (a dict of large tensors, say).
@@ -370,9 +373,20 @@ class BufferPool:
 
     def _target(self, nbytes: int) -> int:
         # Buffers (and permits) the pool may have, for buffers of nbytes: num_workers + 1, and
-        # more while they fit in the byte budget, up to capacity.
-        fit = POOL_BYTES * self.num_workers // max(1, nbytes)
+        # more while they fit in the byte budget, up to capacity. Nothing received yet: the
+        # first.
+        if nbytes <= 0:
+            return self._allowed
+        fit = POOL_BYTES * self.num_workers // nbytes
         return min(self.capacity, max(self._allowed, fit))
+
+    def _need(self) -> int:
+        # The biggest batch tensor received lately (0: none yet). A copy: any thread appends.
+        return max(list(self._recent), default=0)
+
+    def offered(self, nbytes: int) -> None:
+        """A batch tensor of ``nbytes`` that is, or could be, in a pool buffer arrived."""
+        self._recent.append(nbytes)
 
     def attach(self, channel: FdChannel) -> None:
         """Send worker ``channel.wid`` the token pipe and the buffers, on its channel."""
@@ -393,13 +407,13 @@ class BufferPool:
                 return -1
             if permitted:
                 self._permits -= 1  # it becomes this buffer, or comes back with the batch
-            slot = self._keep(fd, nbytes, permitted)
+            slot = self._keep(fd, nbytes)
             if slot < 0 and permitted:
                 self._permits += 1
                 return _PERMIT
             return slot
 
-    def _keep(self, fd: int, nbytes: int, permitted: bool) -> int:
+    def _keep(self, fd: int, nbytes: int) -> int:
         # adopt(), with the lock held: the slot, or -1.
         used = [s for s in range(self.capacity) if self._fds[s] >= 0]
         state = self.state
@@ -419,17 +433,20 @@ class BufferPool:
                 self._allowed = min(
                     self.capacity, max(self._allowed, len(used) + self._permits + 1)
                 )
-        size = max([nbytes, *(self._nbytes[s] for s in used)])
-        self._size = max(self._size, size)
-        target = self._target(size)
-        # A permit turning into its buffer leaves the total as it is: it needs a free place
-        # only. (Bigger batches than before lower the target below what the permits out add
-        # up to: the surplus is retired as permits come back, see hand_out.)
-        room = len(used) < target if permitted else len(used) + self._permits < target
-        if not room or len(used) == self.capacity:
+        # The target for the batches received lately. (A permit that turns into its buffer was
+        # taken off _permits by adopt(). Batches bigger than before lower the target below what
+        # the permits out add up to: the surplus is retired as permits come back, see
+        # hand_out.) The byte budget holds too, whatever the sizes of the buffers kept.
+        target = self._target(max(nbytes, self._need()))
+        pooled = sum(self._nbytes[s] for s in used)
+        if (
+            len(used) + self._permits >= target
+            or len(used) == self.capacity
+            or (len(used) >= self._allowed and pooled + nbytes > POOL_BYTES * self.num_workers)
+        ):
             self._wanted = max(self._wanted, nbytes)
             return -1
-        if used and nbytes < size:
+        if used and nbytes < max(self._nbytes[s] for s in used):
             return -1  # a short last batch, say: keep the pool's buffers one size
         try:
             dup = os.dup(fd)
@@ -444,7 +461,7 @@ class BufferPool:
         for ch in self.channels:
             self._announce(ch, slot)
         # Smaller batches: more buffers fit in the budget, so more may be made.
-        self._issue(self._target(size) - len(used) - 1 - self._permits)
+        self._issue(target - len(used) - 1 - self._permits)
         return slot
 
     def _consumer_keeps(self) -> bool:
@@ -536,6 +553,7 @@ class BufferPool:
             for s in range(self.capacity):
                 if state[s] == _RETURNED:
                     self._evict(s)
+            need = self._need()
             while self._freed:
                 s = self._freed.popleft()
                 if s == _UNKEPT:
@@ -547,6 +565,11 @@ class BufferPool:
                         with contextlib.suppress(OSError):
                             os.write(self.tokens_w, _TOKEN.pack(_PERMIT, 0))
                     continue
+                if s >= 0 and need and self._nbytes[s] >= 2 * need:
+                    # Twice the size of any batch lately (kept for an outsized one, say): let it
+                    # go, so that the pool's buffers follow its batches.
+                    self._evict(s)
+                    continue
                 if self._nbytes[s] < self._wanted:
                     # Make room for a bigger one, once for each that was turned away: a single
                     # outsized batch must not turn every buffer over from then on.
@@ -556,6 +579,10 @@ class BufferPool:
                 state[s] = _SPARE
                 with contextlib.suppress(OSError):  # the pipe holds thousands: never full
                     os.write(self.tokens_w, _TOKEN.pack(s, self.gens[s]))
+            surplus = self._surplus()
+            if surplus < 0:
+                # Smaller batches than lately (after an outsized one, say): more may be made.
+                self._issue(-surplus)
             if self._retry:  # announcements that did not fit in a channel before
                 self._retry = False
                 for ch in self.channels:
@@ -601,9 +628,9 @@ class BufferPool:
             self._issue(1)
 
     def _surplus(self) -> int:
-        # Buffers and permits beyond the pool's target for its current buffer size.
+        # Buffers and permits beyond the pool's target for the batches received lately.
         used = sum(fd >= 0 for fd in self._fds)
-        return used + self._permits - self._target(max(self._size, self._wanted, 1))
+        return used + self._permits - self._target(self._need())
 
     def _remember(self, *fds: int) -> None:
         for fd in fds:
@@ -944,6 +971,7 @@ def _rebuild_channel_tensor(
             raise
         storages[(key, *tag, slot)] = storage
         if pool is not None and pool_slot != -1:
+            pool.offered(math.prod(shape) * dtype.itemsize)
             _receiving.pooled += 1
             if _receiving.pooled > 1:
                 pool._multi = True

@@ -359,6 +359,9 @@ def test_the_pool_budget_keeps_one_buffer_per_worker_and_one_more_for_big_batche
     channels = [_transport.FdChannel(pool, 0) for pool in pools]
     try:
         os.ftruncate(fd, big)
+        # As receiving a batch does: the pools learn the size of the batches now.
+        pools[0].offered(big)
+        pools[1].offered(1 << 20)
         # num_workers + 1 permits, each made into a buffer; one made without is not kept.
         assert pools[0]._permits == 3
         kept = [pools[0].adopt(channels[0], fd, big, permitted=True) for _ in range(3)]

@@ -832,8 +832,48 @@ def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
         return reused
 
     assert sum(two_batches(small, float(i)) for i in range(10)) >= 18
-    assert sum(two_batches(big, float(i)) for i in range(10)) >= 18
+    # A few fresh ones while the small buffers and their permits make way.
+    assert sum(two_batches(big, float(i)) for i in range(10)) >= 15
     kept = [n for n in pool._nbytes if n]
     assert kept == [big[0] * big[1] * big[2] * 4] * 2
     # Buffers and permits together come back to the target as the surplus permits return.
     assert len(kept) + pool._permits <= 3 and _permits(pool) == pool._permits
+
+
+def test_one_outsized_batch_does_not_set_the_pools_size_for_good() -> None:
+    small, big = 4 << 20, 64 << 20
+    fd = os.memfd_create("aioloader-test")
+    pools = [_transport.BufferPool(num_workers=2) for _ in range(2)]
+    channels = [_transport.FdChannel(pool, 0) for pool in pools]
+    try:
+        os.ftruncate(fd, big)
+        # Warming up with 4 MiB batches, one 64 MiB batch made with a permit: not kept.
+        pool, ch = pools[0], channels[0]
+        pool.offered(small)  # what receiving a batch tells the pool
+        assert pool.adopt(ch, fd, small, permitted=True) == 0
+        pool.offered(big)
+        assert pool.adopt(ch, fd, big, permitted=True) == _transport._PERMIT
+        for _ in range(2 * pool.capacity):  # 4 MiB batches again, as many as the pool looks at
+            pool.offered(small)
+        got = [pool.adopt(ch, fd, small, permitted=True) for _ in range(5)]
+        assert got == [1, 2, 3, 4, 5]  # the pool fills with buffers of the batches' size
+        # A 64 MiB buffer kept at the start (the first batch was the big one) is let go when
+        # its batch is dropped once the batches are small again, and permits take its place.
+        pool, ch = pools[1], channels[1]
+        pool.offered(big)
+        assert pool.adopt(ch, fd, big, permitted=True) == 0
+        for _ in range(2 * pool.capacity):
+            pool.offered(small)
+        permits = pool._permits
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, 64)  # type: ignore[attr-defined]
+        pool.track(storage, 0)
+        del storage  # the consumer drops the batch
+        pool.release_dropped()
+        assert pool._fds[0] < 0 and pool.state[0] == _transport._EMPTY
+        assert pool._permits > permits
+    finally:
+        for c in channels:
+            c.close()
+        for p in pools:
+            p.close()
+        os.close(fd)
