@@ -616,7 +616,8 @@ class BufferPool:
     def _evict(self, slot: int) -> None:
         # Its token, if any, is stale now; workers drop their mapping when they see the
         # generation change, and the memory goes with the last mapping. A permit takes its
-        # place: the worker that needs a bigger buffer makes one.
+        # place while the pool is under its target: the worker that needs a bigger buffer
+        # makes one.
         with contextlib.suppress(OSError):
             os.close(self._fds[slot])
         self._ids.pop(self._fds[slot], None)
