@@ -534,8 +534,8 @@ class BufferPool:
         self.hand_out()
 
     def hand_out(self) -> None:
-        """Put the freed buffers' tokens in the pipe; let go of buffers too small for the
-        batches now.
+        """Put the freed buffers' tokens in the pipe; let go of buffers too small (or twice too
+        big) for the batches now; issue or retire permits as the pool's target moves.
 
         Never waits: a finaliser may call this inside a garbage collection on a thread that
         already holds the lock, and then leaves the work to the next call (every result's
@@ -565,7 +565,7 @@ class BufferPool:
                         with contextlib.suppress(OSError):
                             os.write(self.tokens_w, _TOKEN.pack(_PERMIT, 0))
                     continue
-                if s >= 0 and need and self._nbytes[s] >= 2 * need:
+                if need and self._nbytes[s] >= 2 * need:
                     # Twice the size of any batch lately (kept for an outsized one, say): let it
                     # go, so that the pool's buffers follow its batches.
                     self._evict(s)
