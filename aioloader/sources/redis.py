@@ -210,7 +210,23 @@ class RedisStreamSource:
         attempts = 0  # this command's, for its backoff
         while True:
             try:
-                result = await command(self._redis())
+                outage = self._down_since
+                if outage is None or self.reconnect_for_s is None:
+                    result = await command(self._redis())
+                else:
+                    # While the server is down, an attempt may not outlast the bound: one that
+                    # connects to a frozen server would otherwise wait a whole socket timeout.
+                    remaining = outage + self.reconnect_for_s - loop.time()
+                    try:
+                        async with asyncio.timeout(max(remaining, 0.0)):
+                            result = await command(self._redis())
+                    except TimeoutError as timed_out:
+                        # The connection may be mid-reply: the next attempt makes a new client
+                        # (_redis); a command of another task on this one fails and retries.
+                        await self.aclose()
+                        raise RedisTimeoutError("no reply before the reconnect bound") from (
+                            timed_out
+                        )
             except _LOST as exc:
                 now = loop.time()
                 if self._down_since is None:
@@ -231,7 +247,9 @@ class RedisStreamSource:
                     else (down_since + self.reconnect_for_s - now)
                 )
                 if left is not None and left <= 0:
-                    self._down_since = None  # the next epoch starts its own reconnect bound
+                    # The outage stays on record: every command of this epoch (the reader's,
+                    # an ack) raises now rather than start a bound of its own; the next epoch
+                    # starts a new one (__aiter__).
                     raise self._lost(exc, now - down_since) from exc
                 delay = min(self.reconnect_max_delay_s, self.reconnect_delay_s * 2**attempts)
                 attempts += 1
@@ -272,6 +290,7 @@ class RedisStreamSource:
     async def __aiter__(self) -> AsyncIterator[StreamEntry]:
         self._held.clear()  # a new epoch: nothing of this consumer's is in a batch in flight
         self._resync = False
+        self._down_since = None  # a new epoch: its own reconnect bound
         await self.ensure_group()
         async for entry in self._own_pending():
             yield entry
