@@ -456,6 +456,28 @@ class SlowPickleDataset(RangeDataset):
 
 
 @contextlib.contextmanager
+def pools_on_a_memfd(
+    nbytes: int, num_workers: int = 2
+) -> Iterator[tuple[int, list[Any], list[Any]]]:
+    """Two buffer pools of ``num_workers``, a channel of each, and a memfd of ``nbytes`` to
+    offer them as batch buffers; all closed at the end."""
+    from aioloader import _transport
+
+    fd = os.memfd_create("aioloader-test")
+    pools = [_transport.BufferPool(num_workers=num_workers) for _ in range(2)]
+    channels = [_transport.FdChannel(pool, 0) for pool in pools]
+    try:
+        os.ftruncate(fd, nbytes)
+        yield fd, pools, channels
+    finally:
+        for channel in channels:
+            channel.close()
+        for pool in pools:
+            pool.close()
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def playing_worker(pool: bool) -> Iterator[Any]:
     """This process plays a worker: results go out on the channel it yields, with a pool of
     reused batch buffers if ``pool``; the main side takes them from the same channel."""

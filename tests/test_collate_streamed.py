@@ -7,7 +7,6 @@ and any sample that does not fit must give default_collate's own result or excep
 from __future__ import annotations
 
 import asyncio
-import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -354,11 +353,7 @@ async def _aoutcome(aw: Any) -> tuple[str, Any]:
 
 def test_the_pool_budget_keeps_one_buffer_per_worker_and_one_more_for_big_batches() -> None:
     big = 64 * 3 * 224 * 224 * 4  # the benchmark's 38.5 MB batch
-    fd = os.memfd_create("aioloader-test")
-    pools = [_transport.BufferPool(num_workers=2) for _ in range(2)]
-    channels = [_transport.FdChannel(pool, 0) for pool in pools]
-    try:
-        os.ftruncate(fd, big)
+    with datasets.pools_on_a_memfd(big) as (fd, pools, channels):
         # As receiving a batch does: the pools learn the size of the batches now.
         pools[0].offered(big)
         pools[1].offered(1 << 20)
@@ -378,9 +373,3 @@ def test_the_pool_budget_keeps_one_buffer_per_worker_and_one_more_for_big_batche
         # Smaller than the pool's buffers: not kept, and its permit comes back with its batch.
         assert pools[1].adopt(channels[1], fd, 1 << 19, permitted=True) == _transport._PERMIT
         assert pools[1].adopt(channels[1], fd, 1 << 20, permitted=True) == 0
-    finally:
-        for c in channels:
-            c.close()
-        for pool in pools:
-            pool.close()
-        os.close(fd)

@@ -719,14 +719,10 @@ def test_only_a_worker_behind_another_waits_long_for_a_buffer() -> None:
 
 
 def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batches() -> None:
-    fd = os.memfd_create("aioloader-test")
-    pools = [_transport.BufferPool(num_workers=2) for _ in range(2)]
-    channels = [_transport.FdChannel(pool, 0) for pool in pools]
     big = 64 << 20  # over POOL_BYTES together: num_workers + 1 buffers
-    pool, ch = pools[0], channels[0]
-    grow = pool.capacity
-    try:
-        os.ftruncate(fd, big)
+    with datasets.pools_on_a_memfd(big) as (fd, pools, channels):
+        pool, ch = pools[0], channels[0]
+        grow = pool.capacity
         # The pool's three permits, then one made without (after a wait that timed out).
         assert [pool.adopt(ch, fd, big, permitted=True) for _ in range(3)] == [0, 1, 2]
         assert pool.adopt(ch, fd, big) == -1
@@ -754,12 +750,6 @@ def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batche
         other.state[grow] = 1
         assert other.adopt(och, fd, big) == 4
         del held
-    finally:
-        for c in channels:
-            c.close()
-        for p in pools:
-            p.close()
-        os.close(fd)
 
 
 def _delivered(data: bytes) -> torch.Tensor:
@@ -842,11 +832,7 @@ def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
 
 def test_one_outsized_batch_does_not_set_the_pools_size_for_good() -> None:
     small, big = 4 << 20, 64 << 20
-    fd = os.memfd_create("aioloader-test")
-    pools = [_transport.BufferPool(num_workers=2) for _ in range(2)]
-    channels = [_transport.FdChannel(pool, 0) for pool in pools]
-    try:
-        os.ftruncate(fd, big)
+    with datasets.pools_on_a_memfd(big) as (fd, pools, channels):
         # Warming up with 4 MiB batches, one 64 MiB batch made with a permit: not kept.
         pool, ch = pools[0], channels[0]
         pool.offered(small)  # what receiving a batch tells the pool
@@ -871,9 +857,3 @@ def test_one_outsized_batch_does_not_set_the_pools_size_for_good() -> None:
         pool.release_dropped()
         assert pool._fds[0] < 0 and pool.state[0] == _transport._EMPTY
         assert pool._permits > permits
-    finally:
-        for c in channels:
-            c.close()
-        for p in pools:
-            p.close()
-        os.close(fd)
