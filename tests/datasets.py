@@ -667,3 +667,26 @@ class HalvesIterable(torch.utils.data.IterableDataset[tuple[int, int]]):
             if i == self.n // 2:
                 time.sleep(self.slow_s)
             yield wid, i
+
+
+def private_dirty_kb() -> int:
+    """This process's private written memory, in kB (Linux)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Private_Dirty:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Private_Dirty line in /proc/self/smaps_rollup")
+
+
+class CollectGarbageDataset(Dataset[list[int]]):
+    """Item i: the worker's private memory in kB before and after a full garbage collection."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> list[int]:
+        import gc
+
+        before = private_dirty_kb()
+        gc.collect()
+        return [before, private_dirty_kb()]
