@@ -73,10 +73,10 @@ class _Portal:
     """An event loop on a daemon thread, serving one loader through an anyio ``BlockingPortal``.
 
     The thread is this object's own (not anyio's ``start_blocking_portal`` context manager):
-    nothing here runs on garbage collection. A forked child (a worker of a later loader) that
-    inherited a dropped loader frees its copy in its first collection; a context manager's
-    cleanup would then call into a loop thread that exists only in the parent and wait for
-    ever.
+    nothing here runs on garbage collection. A forked child that inherited a dropped loader (a
+    worker of torch's DataLoader, say; ours freeze what they inherit) frees its copy in its
+    first collection; a context manager's cleanup would then call into a loop thread that
+    exists only in the parent and wait for ever.
     """
 
     def __init__(self) -> None:

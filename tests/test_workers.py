@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from aioloader import AsyncDataLoader
+from aioloader import AsyncDataLoader, _worker
 from tests import datasets
 from tests.conftest import collect
 
@@ -186,6 +186,9 @@ async def test_default_collate_skips_shared_memory_only_for_small_batches() -> N
 
 @pytest.mark.skipif(
     not os.path.exists("/proc/self/smaps_rollup"), reason="reads Linux's /proc/self/smaps_rollup"
+)
+@pytest.mark.skipif(
+    not _worker._FREEZE_IS_FREE, reason="workers freeze only where freezing copies nothing"
 )
 async def test_a_forked_workers_garbage_collection_leaves_what_it_inherited_shared() -> None:
     """A full collection in a worker does not walk the objects it inherited from this process.
