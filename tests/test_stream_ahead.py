@@ -118,8 +118,11 @@ async def test_a_sample_that_kills_its_worker_ahead_and_again_is_a_poison_batch(
     # The first death happens while sample 5 is transformed ahead, before its window is a task:
     # it still counts against that window, so the window's own task killing the replacement
     # makes it a poison batch, as when no sample goes ahead (not a second restart).
+    # Samples 0.15 s apart: the death must be seen before the window closes, two gaps after
+    # sample 5 (with GAP, a loop stalled by a loaded machine saw it after the window had gone
+    # out as a task, and blamed the task).
     async with AsyncDataLoader(
-        ss.Slow(N, GAP),
+        ss.Slow(N, 0.15),
         batch_size=BATCH,
         num_workers=2,
         transform=ss.KillAlways(5),
