@@ -18,6 +18,11 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing.connection
+
+# Imported by the first pool's start otherwise, on the path to its first batch (3-4 ms, measured
+# in a fresh process): the shared arrays every pool makes, and fork's process launcher.
+import multiprocessing.heap
+import multiprocessing.sharedctypes
 import multiprocessing.util
 import os
 import signal
@@ -30,6 +35,9 @@ from dataclasses import replace
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+with contextlib.suppress(ImportError):  # POSIX only
+    import multiprocessing.popen_fork
 
 from . import _transport, _worker
 from ._procpool import Executor, close_pipes, kill_executors, release_semaphores

@@ -927,3 +927,34 @@ def test_the_exit_hooks_wakeup_never_writes_into_a_pipe_the_manager_thread_close
         waker_done.set()
         waker.join(30)
         ex.shutdown(wait=True)
+
+
+class _Registered:
+    """Pickled through a reduction registered while a test runs."""
+
+
+def test_the_lanes_kept_pickler_pickles_as_a_new_one_would() -> None:
+    import copyreg
+    import weakref
+
+    from aioloader._procpool import _Dumper
+
+    dumper = _Dumper()
+    first = dumper.dumps(("task", [1, 2]))
+    assert pickle.loads(first) == ("task", [1, 2])
+    # An error leaves nothing behind for the next call.
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        dumper.dumps(lambda: None)
+    assert pickle.loads(dumper.dumps(7)) == 7
+    # A reduction registered after the pickler was made is used, as by a new ForkingPickler.
+    copyreg.pickle(_Registered, lambda _: (tuple, ((1, 2),)))
+    try:
+        assert pickle.loads(dumper.dumps(_Registered())) == (1, 2)
+    finally:
+        del copyreg.dispatch_table[_Registered]
+    # The pickler's memo does not keep what it pickled alive.
+    obj = _Registered()
+    ref = weakref.ref(obj)
+    dumper.dumps([obj, obj])
+    del obj
+    assert ref() is None
