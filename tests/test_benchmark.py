@@ -86,3 +86,15 @@ def test_the_big_copy_limit_builds_batches_in_parallel_processes() -> None:
     procs = min(2, os.cpu_count() or 1)
     assert (res.batches, res.samples) == (2 // procs * procs, 64 * (2 // procs) * procs)
     assert 0 < res.seconds < 60
+
+
+def test_start_stall_reports_the_loops_stalls_while_workers_start() -> None:
+    from aioloader.benchmark.start_stall import main, measure_start_stall
+
+    rows = measure_start_stall(20_000, ["fork"], [2])
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["method"] == "fork" and row["workers"] == 2
+    assert isinstance(row["first_batch_ms"], float) and row["first_batch_ms"] > 0
+    assert isinstance(row["max_stall_ms"], float) and row["max_stall_ms"] >= 0
+    assert main(["--entries", "5000", "--methods", "fork", "--workers", "1"]) == 0
