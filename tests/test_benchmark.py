@@ -98,3 +98,42 @@ def test_start_stall_reports_the_loops_stalls_while_workers_start() -> None:
     assert isinstance(row["first_batch_ms"], float) and row["first_batch_ms"] > 0
     assert isinstance(row["max_stall_ms"], float) and row["max_stall_ms"] >= 0
     assert main(["--entries", "5000", "--methods", "fork", "--workers", "1"]) == 0
+
+
+_END_MEASUREMENT = """
+import multiprocessing as mp, os, subprocess, sys
+from aioloader.benchmark.startup import _end_measurement
+os.setsid()
+lock = mp.get_context("spawn").Lock()  # a named semaphore, registered with a resource tracker
+sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(lock._semlock.name, sleeper.pid, flush=True)
+_end_measurement()
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_startup_measurement_ends_with_its_group_killed_and_its_semaphores_unlinked() -> None:
+    import pytest
+
+    if not os.path.isdir("/dev/shm") or not os.path.isdir("/proc"):
+        pytest.skip("needs /proc and /dev/shm (Linux)")
+    proc = subprocess.run(
+        [sys.executable, "-c", _END_MEASUREMENT], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    name, pid = proc.stdout.split()
+    sem_file = "/dev/shm/sem." + name.lstrip("/")
+    deadline = time.monotonic() + 20
+    while (os.path.exists(sem_file) or not _gone(int(pid))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # The process it started is killed; the resource tracker, left alive, unlinked the
+    # semaphore (SIGKILL on the whole group killed the tracker too and left it in /dev/shm).
+    assert _gone(int(pid))
+    assert not os.path.exists(sem_file)
