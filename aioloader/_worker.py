@@ -280,10 +280,58 @@ class Extra(NamedTuple):
     shared_seed: int | None = None
 
 
+#: (Computed once per process.) torch's device modules whose backend this build lacks.
+_absent_backends: list[Any] | None = None
+_seed_lock = threading.Lock()
+
+
+def _backends_not_compiled() -> list[Any]:
+    global _absent_backends
+    if _absent_backends is None:
+        absent = []
+        for name in ("cuda", "xpu", "mtia"):
+            module = getattr(torch, name, None)
+            compiled = getattr(module, "_is_compiled", None)
+            if compiled is None or not callable(getattr(module, "manual_seed_all", None)):
+                continue  # not a backend this torch knows this way: torch's own call stays
+            with contextlib.suppress(Exception):
+                if not compiled():
+                    absent.append(module)
+        _absent_backends = absent
+    return _absent_backends
+
+
+def _seed_never_applied(seed: int) -> None:
+    """Stands in for an absent backend's ``manual_seed_all`` (see :func:`manual_seed`)."""
+
+
+def manual_seed(seed: int) -> None:
+    """``torch.manual_seed(seed)``, less the seeds it queues for device backends this torch
+    build lacks.
+
+    For each accelerator backend that is not initialised yet (CUDA, XPU, MTIA), torch queues the
+    seed together with the caller's stack (``traceback.format_stack``): 180 us a call warm, and
+    4-8 ms in a freshly forked worker, half of its start-up and on the way to its first batch.
+    A backend that is not compiled in can never run what was queued, so that backend's
+    ``manual_seed_all`` is left out of the call; every generator that exists (CPU, compiled-in
+    and custom devices) is seeded by torch's own code, as in torch's workers.
+    """
+    absent = _backends_not_compiled()
+    with _seed_lock:  # two callers must not save each other's stand-ins as the originals
+        saved = [(module, module.manual_seed_all) for module in absent]
+        try:
+            for module in absent:
+                module.manual_seed_all = _seed_never_applied
+            torch.manual_seed(seed)
+        finally:
+            for module, original in saved:
+                module.manual_seed_all = original
+
+
 def seed_all(seed: int) -> None:
     """Seed ``random``, torch and numpy (if importable) from one 64-bit ``seed``."""
     random.seed(seed)
-    torch.manual_seed(seed)
+    manual_seed(seed)
     np = sys.modules.get("numpy")  # only if the dataset uses it: importing numpy costs ~50 ms
     if np is not None:
         np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
@@ -728,7 +776,7 @@ def setup(
         dataset, collate_fn, worker_init_fn = objects()
         seed = spec.base_seed + worker_id
         random.seed(seed)
-        torch.manual_seed(seed)
+        manual_seed(seed)
         if _np_random is not None:
             _np_random.seed(torch_worker._generate_state(spec.base_seed, worker_id))  # type: ignore[no-untyped-call]
         torch_worker._worker_info = make_worker_info(

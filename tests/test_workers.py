@@ -346,3 +346,32 @@ async def test_a_dataset_holding_a_multiprocessing_value_works_under_spawn(
     assert dataset.count.value == 12  # every worker counted into the main process's Value
     del dataset, loader
     gc.collect()  # the Value's semaphore goes with it
+
+
+def test_a_workers_torch_seed_is_torchs_less_the_backends_this_build_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The CPU generator ends in the same state as after torch.manual_seed.
+    torch.manual_seed(1234)
+    expected = torch.rand(5)
+    torch.manual_seed(99)
+    _worker.manual_seed(1234)
+    assert torch.equal(torch.rand(5), expected)
+    # A backend that is compiled in is seeded through torch's own call; one that is not is
+    # left out (what torch would queue for it could never be applied), and the module's
+    # function is back in place afterwards.
+    for name in ("cuda", "xpu", "mtia"):
+        module = getattr(torch, name, None)
+        if module is None or not hasattr(module, "_is_compiled"):
+            continue
+        calls: list[int] = []
+
+        def record(seed: int, calls: list[int] = calls) -> None:
+            calls.append(seed)
+
+        monkeypatch.setattr(module, "manual_seed_all", record)
+        if getattr(module, "_is_in_bad_fork", lambda: False)():
+            continue  # torch itself skips a backend initialised before this process forked
+        _worker.manual_seed(77)
+        assert calls == ([77] if module._is_compiled() else []), name
+        assert module.manual_seed_all is record
