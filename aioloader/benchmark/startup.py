@@ -100,8 +100,9 @@ def _end_measurement() -> None:
     members: list[int] = []
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:  # no /proc: the whole group goes
+    except OSError:  # no /proc: the whole group goes, this process with it
         os.killpg(0, signal.SIGKILL)
+        raise
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
