@@ -280,23 +280,34 @@ class Extra(NamedTuple):
     shared_seed: int | None = None
 
 
-#: (Computed once per process.) torch's device modules whose backend this build lacks.
-_absent_backends: list[Any] | None = None
+#: (Computed once per process.) The device modules of torch whose backend this build lacks,
+#: each with its own ``manual_seed_all``.
+_absent_backends: list[tuple[Any, Any]] | None = None
 _seed_lock = threading.Lock()
+# A fork while another thread seeds would copy the lock held, and the stand-ins installed, into
+# the child: forks wait for the seeding to end.
+os.register_at_fork(
+    before=_seed_lock.acquire,
+    after_in_parent=_seed_lock.release,
+    after_in_child=_seed_lock.release,
+)
 
 
-def _backends_not_compiled() -> list[Any]:
+def _backends_not_compiled() -> list[tuple[Any, Any]]:
     global _absent_backends
     if _absent_backends is None:
         absent = []
-        for name in ("cuda", "xpu", "mtia"):
+        # Only backends whose presence is fixed when torch is built. (MTIA's is not: an
+        # extension imported later can register it, and then torch applies the queued seed.)
+        for name in ("cuda", "xpu"):
             module = getattr(torch, name, None)
             compiled = getattr(module, "_is_compiled", None)
-            if compiled is None or not callable(getattr(module, "manual_seed_all", None)):
+            seed_all = getattr(module, "manual_seed_all", None)
+            if compiled is None or not callable(seed_all):
                 continue  # not a backend this torch knows this way: torch's own call stays
             with contextlib.suppress(Exception):
                 if not compiled():
-                    absent.append(module)
+                    absent.append((module, seed_all))
         _absent_backends = absent
     return _absent_backends
 
@@ -309,22 +320,24 @@ def manual_seed(seed: int) -> None:
     """``torch.manual_seed(seed)``, less the seeds it queues for device backends this torch
     build lacks.
 
-    For each accelerator backend that is not initialised yet (CUDA, XPU, MTIA), torch queues the
-    seed together with the caller's stack (``traceback.format_stack``): 180 us a call warm, and
-    4-8 ms in a freshly forked worker, half of its start-up and on the way to its first batch.
-    A backend that is not compiled in can never run what was queued, so that backend's
-    ``manual_seed_all`` is left out of the call; every generator that exists (CPU, compiled-in
-    and custom devices) is seeded by torch's own code, as in torch's workers.
+    For each accelerator backend that is not initialised yet, torch queues the seed together
+    with the caller's stack (``traceback.format_stack``): 180 us a call warm, and 4-8 ms in a
+    freshly forked worker, half of its start-up and on the way to its first batch. A backend
+    that is not compiled in (CUDA or XPU on a CPU build) can never run what was queued, so
+    torch's ``manual_seed_all`` of that backend is left out of the call; every generator that
+    exists (CPU, compiled-in and custom devices) is seeded by torch's own code, as in torch's
+    workers. A ``manual_seed_all`` that is not torch's own (a wrapper someone installed) is
+    called as usual.
     """
     absent = _backends_not_compiled()
     with _seed_lock:  # two callers must not save each other's stand-ins as the originals
-        saved = [(module, module.manual_seed_all) for module in absent]
+        skipped = [(m, f) for m, f in absent if m.manual_seed_all is f]
         try:
-            for module in absent:
+            for module, _ in skipped:
                 module.manual_seed_all = _seed_never_applied
             torch.manual_seed(seed)
         finally:
-            for module, original in saved:
+            for module, original in skipped:
                 module.manual_seed_all = original
 
 

@@ -935,7 +935,9 @@ class _Registered:
 
 def test_the_lanes_kept_pickler_pickles_as_a_new_one_would() -> None:
     import copyreg
+    import tracemalloc
     import weakref
+    from multiprocessing.reduction import ForkingPickler
 
     from aioloader._procpool import _Dumper
 
@@ -946,12 +948,34 @@ def test_the_lanes_kept_pickler_pickles_as_a_new_one_would() -> None:
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         dumper.dumps(lambda: None)
     assert pickle.loads(dumper.dumps(7)) == 7
-    # A reduction registered after the pickler was made is used, as by a new ForkingPickler.
+    # A reduction registered after the pickler was made is used, as by a new ForkingPickler,
+    # and so is one that replaces it.
     copyreg.pickle(_Registered, lambda _: (tuple, ((1, 2),)))
     try:
         assert pickle.loads(dumper.dumps(_Registered())) == (1, 2)
+        copyreg.pickle(_Registered, lambda _: (tuple, ((3, 4),)))
+        assert pickle.loads(dumper.dumps(_Registered())) == (3, 4)
     finally:
         del copyreg.dispatch_table[_Registered]
+    # ForkingPickler's own reductions come first, as in a new one.
+    ForkingPickler.register(_Registered, lambda _: (tuple, ((5, 6),)))
+    copyreg.pickle(_Registered, lambda _: (tuple, ((7, 8),)))
+    try:
+        assert pickle.loads(dumper.dumps(_Registered())) == (5, 6)
+    finally:
+        del copyreg.dispatch_table[_Registered]
+        del ForkingPickler._extra_reducers[_Registered]  # type: ignore[attr-defined]
+    # One large pickle leaves no large memo table behind.
+    tracemalloc.start()
+    try:
+        big = [(i,) for i in range(200_000)]
+        dumper.dumps(big)
+        del big
+        dumper.dumps(("task", [1, 2]))
+        left, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert left < 1 << 20
     # The pickler's memo does not keep what it pickled alive.
     obj = _Registered()
     ref = weakref.ref(obj)

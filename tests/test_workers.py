@@ -351,18 +351,41 @@ async def test_a_dataset_holding_a_multiprocessing_value_works_under_spawn(
 def test_a_workers_torch_seed_is_torchs_less_the_backends_this_build_lacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import traceback
+
     # The CPU generator ends in the same state as after torch.manual_seed.
     torch.manual_seed(1234)
     expected = torch.rand(5)
     torch.manual_seed(99)
     _worker.manual_seed(1234)
     assert torch.equal(torch.rand(5), expected)
-    # A backend that is compiled in is seeded through torch's own call; one that is not is
-    # left out (what torch would queue for it could never be applied), and the module's
-    # function is back in place afterwards.
-    for name in ("cuda", "xpu", "mtia"):
+    # Each backend not initialised yet gets a seed queued with the caller's stack; the ones
+    # this build lacks (CUDA and XPU on a CPU build) are left out, the others are not.
+    stacks: list[int] = []
+    real_format_stack = traceback.format_stack
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        stacks.append(1)
+        return real_format_stack(*args, **kwargs)
+
+    monkeypatch.setattr(traceback, "format_stack", counting)
+    torch.manual_seed(5)
+    by_torch = len(stacks)
+    stacks.clear()
+    _worker.manual_seed(5)
+    lacking = [
+        name
+        for name in ("cuda", "xpu")
+        if hasattr(getattr(torch, name, None), "_is_compiled")
+        and not getattr(torch, name)._is_compiled()
+        and not getattr(torch, name)._is_in_bad_fork()
+    ]
+    assert len(stacks) == by_torch - len(lacking)
+    # A manual_seed_all that is not torch's own (a wrapper someone installed) still runs, and
+    # every module's function is back in place afterwards.
+    for name in ("cuda", "xpu"):
         module = getattr(torch, name, None)
-        if module is None or not hasattr(module, "_is_compiled"):
+        if module is None or module._is_in_bad_fork():
             continue
         calls: list[int] = []
 
@@ -370,8 +393,47 @@ def test_a_workers_torch_seed_is_torchs_less_the_backends_this_build_lacks(
             calls.append(seed)
 
         monkeypatch.setattr(module, "manual_seed_all", record)
-        if getattr(module, "_is_in_bad_fork", lambda: False)():
-            continue  # torch itself skips a backend initialised before this process forked
         _worker.manual_seed(77)
-        assert calls == ([77] if module._is_compiled() else []), name
+        assert calls == [77], name
         assert module.manual_seed_all is record
+
+
+_FORK_WHILE_SEEDING = """
+import os, sys, threading, time
+from aioloader import _worker
+stop = threading.Event()
+def seed_forever():
+    i = 0
+    while not stop.is_set():
+        _worker.manual_seed(i)
+        i += 1
+threading.Thread(target=seed_forever, daemon=True).start()
+children = []
+for _ in range(20):
+    time.sleep(0.005)
+    pid = os.fork()
+    if pid == 0:
+        _worker.manual_seed(1)  # deadlocks if the fork copied the lock held
+        os._exit(0)
+    children.append(pid)
+stop.set()
+deadline = time.monotonic() + 20
+stuck = set(children)
+while stuck and time.monotonic() < deadline:
+    for pid in list(stuck):
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            stuck.discard(pid)
+    time.sleep(0.01)
+for pid in stuck:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+print(len(stuck))
+"""
+
+
+def test_a_process_forked_while_another_thread_seeds_can_seed() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_SEEDING], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "0"  # no child stuck

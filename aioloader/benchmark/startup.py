@@ -77,7 +77,7 @@ def _zygote_main(entries: int) -> int:
         spec = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            os.setsid()  # own process group: its workers and forkserver die with it below
+            _begin_measurement()
             try:
                 first, second = _measure_startup(ds, spec)
                 out: dict[str, Any] = {"first_s": first, "epoch2_s": second}
@@ -90,37 +90,21 @@ def _zygote_main(entries: int) -> int:
     return 0
 
 
+def _begin_measurement() -> None:
+    """In a measurement's process, first: start multiprocessing's resource tracker while this
+    process is still in the zygote's process group, then take a group of its own. The tracker
+    thus outlives :func:`_end_measurement`'s SIGKILL and, once every process using them is
+    gone, unlinks the named semaphores that the loaders' queues made under spawn and forkserver;
+    killed with the group, it left them in /dev/shm (6 per full run of the workload, measured)."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    os.setsid()  # own process group: its workers and forkserver die with it
+
+
 def _end_measurement() -> None:
-    """Kill this measurement's process group, all but multiprocessing's resource tracker, and
-    exit. Left alone, the tracker unlinks the named semaphores that the loaders' queues made under
-    spawn and forkserver once every process using them is gone; killed too, it would leave them in
-    /dev/shm (6 per full run of the workload, measured)."""
-    me, group = os.getpid(), os.getpgid(0)
-    keep = {me}
-    members: list[int] = []
-    try:
-        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:  # no /proc: the whole group goes, this process with it
-        os.killpg(0, signal.SIGKILL)
-        raise
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        if int(stat[stat.rindex(b")") + 2 :].split()[2]) != group:
-            continue
-        if b"resource_tracker" in cmdline:
-            keep.add(pid)
-        members.append(pid)
-    for pid in members:
-        if pid not in keep:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    os._exit(0)
+    """Kill the measurement's process group, this process included (see _begin_measurement)."""
+    os.killpg(0, signal.SIGKILL)
 
 
 class _Zygote:
