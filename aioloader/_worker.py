@@ -280,9 +280,30 @@ class Extra(NamedTuple):
     shared_seed: int | None = None
 
 
-#: (Computed once per process.) The device modules of torch whose backend this build lacks,
-#: each with its own ``manual_seed_all``.
-_absent_backends: list[tuple[Any, Any]] | None = None
+class _StackWithoutSource:
+    """Stands in for the ``traceback`` module inside torch's device modules while a worker seeds
+    (see :func:`manual_seed`): ``format_stack`` names each frame's file, line and function but
+    reads no source file; everything else is the real module's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(traceback, name)
+
+    @staticmethod
+    def format_stack(f: Any = None, limit: int | None = None) -> list[str]:
+        frame = sys._getframe(1) if f is None else f
+        lines: list[str] = []
+        while frame is not None and (limit is None or len(lines) < limit):
+            code = frame.f_code
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n')
+            frame = frame.f_back
+        lines.reverse()
+        return lines
+
+
+_stack_without_source = _StackWithoutSource()
+#: torch's device modules that queue seeds with the caller's stack (an attribute that is not
+#: there is skipped).
+_LAZY_SEEDING = ("cuda", "xpu", "mtia")
 _seed_lock = threading.Lock()
 # A fork while another thread seeds would copy the lock held, and the stand-ins installed, into
 # the child: forks wait for the seeding to end.
@@ -293,52 +314,29 @@ os.register_at_fork(
 )
 
 
-def _backends_not_compiled() -> list[tuple[Any, Any]]:
-    global _absent_backends
-    if _absent_backends is None:
-        absent = []
-        # Only backends whose presence is fixed when torch is built. (MTIA's is not: an
-        # extension imported later can register it, and then torch applies the queued seed.)
-        for name in ("cuda", "xpu"):
-            module = getattr(torch, name, None)
-            compiled = getattr(module, "_is_compiled", None)
-            seed_all = getattr(module, "manual_seed_all", None)
-            if compiled is None or not callable(seed_all):
-                continue  # not a backend this torch knows this way: torch's own call stays
-            with contextlib.suppress(Exception):
-                if not compiled():
-                    absent.append((module, seed_all))
-        _absent_backends = absent
-    return _absent_backends
-
-
-def _seed_never_applied(seed: int) -> None:
-    """Stands in for an absent backend's ``manual_seed_all`` (see :func:`manual_seed`)."""
-
-
 def manual_seed(seed: int) -> None:
-    """``torch.manual_seed(seed)``, less the seeds it queues for device backends this torch
-    build lacks.
+    """``torch.manual_seed(seed)``, with cheaper stacks recorded for the device seeds it queues.
 
-    For each accelerator backend that is not initialised yet, torch queues the seed together
-    with the caller's stack (``traceback.format_stack``): 180 us a call warm, and 4-8 ms in a
-    freshly forked worker, half of its start-up and on the way to its first batch. A backend
-    that is not compiled in (CUDA or XPU on a CPU build) can never run what was queued, so
-    torch's ``manual_seed_all`` of that backend is left out of the call; every generator that
-    exists (CPU, compiled-in and custom devices) is seeded by torch's own code, as in torch's
-    workers. A ``manual_seed_all`` that is not torch's own (a wrapper someone installed) is
-    called as usual.
+    For each accelerator backend that is not initialised yet (CUDA, XPU, MTIA), torch queues the
+    seed, to apply it if the backend starts later, together with ``traceback.format_stack()`` of
+    the caller, which it prints only if that deferred call fails. Reading the source lines for
+    those stacks took 180 us a call warm, and 4-8 ms in a freshly forked worker: half of its
+    start-up, on the way to its first batch. Here the stacks name each frame's file, line and
+    function without its source line; what torch seeds and queues is unchanged.
     """
-    absent = _backends_not_compiled()
     with _seed_lock:  # two callers must not save each other's stand-ins as the originals
-        skipped = [(m, f) for m, f in absent if m.manual_seed_all is f]
+        swapped = []
+        for name in _LAZY_SEEDING:
+            module = getattr(torch, name, None)
+            if module is not None and getattr(module, "traceback", None) is traceback:
+                swapped.append(module)
         try:
-            for module, _ in skipped:
-                module.manual_seed_all = _seed_never_applied
+            for module in swapped:
+                module.traceback = _stack_without_source
             torch.manual_seed(seed)
         finally:
-            for module, original in skipped:
-                module.manual_seed_all = original
+            for module in swapped:
+                module.traceback = traceback
 
 
 def seed_all(seed: int) -> None:

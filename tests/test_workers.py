@@ -348,7 +348,7 @@ async def test_a_dataset_holding_a_multiprocessing_value_works_under_spawn(
     gc.collect()  # the Value's semaphore goes with it
 
 
-def test_a_workers_torch_seed_is_torchs_less_the_backends_this_build_lacks(
+def test_a_workers_torch_seed_is_torchs_with_stacks_read_from_no_source_file(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import traceback
@@ -359,43 +359,37 @@ def test_a_workers_torch_seed_is_torchs_less_the_backends_this_build_lacks(
     torch.manual_seed(99)
     _worker.manual_seed(1234)
     assert torch.equal(torch.rand(5), expected)
-    # Each backend not initialised yet gets a seed queued with the caller's stack; the ones
-    # this build lacks (CUDA and XPU on a CPU build) are left out, the others are not.
-    stacks: list[int] = []
+    # Every device backend torch seeds is still seeded (or has its seed queued), and each
+    # module's traceback is back in place afterwards.
+    modules = [getattr(torch, n) for n in ("cuda", "xpu", "mtia") if hasattr(torch, n)]
+    calls: dict[str, list[int]] = {}
+    for module in modules:
+        if module._is_in_bad_fork():
+            continue  # torch itself skips a backend initialised before this process forked
+
+        def record(seed: int, name: str = module.__name__) -> None:
+            calls.setdefault(name, []).append(seed)
+
+        monkeypatch.setattr(module, "manual_seed_all", record)
+    _worker.manual_seed(77)
+    assert calls == {m.__name__: [77] for m in modules if not m._is_in_bad_fork()}
+    monkeypatch.undo()
+    assert all(getattr(m, "traceback", traceback) is traceback for m in modules)
+    # The stacks queued with the seeds read no source file: the real format_stack is not
+    # called, and the frames named are the ones it names.
+    formatted: list[int] = []
     real_format_stack = traceback.format_stack
 
     def counting(*args: Any, **kwargs: Any) -> Any:
-        stacks.append(1)
+        formatted.append(1)
         return real_format_stack(*args, **kwargs)
 
     monkeypatch.setattr(traceback, "format_stack", counting)
-    torch.manual_seed(5)
-    by_torch = len(stacks)
-    stacks.clear()
     _worker.manual_seed(5)
-    lacking = [
-        name
-        for name in ("cuda", "xpu")
-        if hasattr(getattr(torch, name, None), "_is_compiled")
-        and not getattr(torch, name)._is_compiled()
-        and not getattr(torch, name)._is_in_bad_fork()
-    ]
-    assert len(stacks) == by_torch - len(lacking)
-    # A manual_seed_all that is not torch's own (a wrapper someone installed) still runs, and
-    # every module's function is back in place afterwards.
-    for name in ("cuda", "xpu"):
-        module = getattr(torch, name, None)
-        if module is None or module._is_in_bad_fork():
-            continue
-        calls: list[int] = []
-
-        def record(seed: int, calls: list[int] = calls) -> None:
-            calls.append(seed)
-
-        monkeypatch.setattr(module, "manual_seed_all", record)
-        _worker.manual_seed(77)
-        assert calls == [77], name
-        assert module.manual_seed_all is record
+    assert formatted == []
+    monkeypatch.undo()
+    real, cheap = traceback.format_stack(), _worker._stack_without_source.format_stack()
+    assert cheap == [entry.splitlines(keepends=True)[0] for entry in real]
 
 
 _FORK_WHILE_SEEDING = """
