@@ -645,3 +645,7 @@ class WorkerPool:
                     # Not p.close(): the exit code stays readable (it is known by now).
                     with contextlib.suppress(Exception):
                         popen.finalizer()
+                if p.exitcode is not None and p.exitcode < 0 and p.pid is not None:
+                    # Killed by a signal (a crash, or our own SIGKILL): maybe between torch's
+                    # creating a shared-memory file and unlinking its name.
+                    _transport.unlink_left_segments(p.pid)

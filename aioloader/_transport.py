@@ -679,6 +679,27 @@ class BufferPool:
 _pools: weakref.WeakSet[BufferPool] = weakref.WeakSet()
 
 
+def unlink_left_segments(pid: int, shm_dir: str = "/dev/shm") -> int:
+    """Unlink the shared-memory files that process ``pid``, now dead, left; the number unlinked.
+
+    torch names a new shared-memory segment after its process (``torch_<pid>_<random>_<n>``)
+    and unlinks the name right after opening it, so a worker killed by a signal in between
+    leaves the file, and its memory, until the machine restarts. Call once ``pid`` is reaped.
+    """
+    prefix = f"torch_{pid}_"
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:  # no such directory: nothing named there
+        return 0
+    gone = 0
+    for name in names:
+        if name.startswith(prefix):
+            with contextlib.suppress(OSError):  # unlinked meanwhile
+                os.unlink(os.path.join(shm_dir, name))
+                gone += 1
+    return gone
+
+
 def _close_pools_in_child() -> None:
     # Runs right after a fork, in the child, with no other thread.
     for pool in list(_pools):

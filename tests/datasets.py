@@ -217,6 +217,26 @@ class ExitOnceDataset(RangeDataset):
         return super().__getitem__(i)
 
 
+class ExitOnceLeavingSegmentDataset(ExitOnceDataset):
+    """As ExitOnceDataset, the worker first making a file named as torch names a shared-memory
+    segment of its process (the one a kill between torch's creating and unlinking it leaves);
+    its path goes into the marker file."""
+
+    def __init__(self, n: int, bad: int, marker: str, shm_dir: str) -> None:
+        super().__init__(n, bad, marker)
+        self.shm_dir = shm_dir
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad and not os.path.exists(self.marker):
+            path = os.path.join(self.shm_dir, f"torch_{os.getpid()}_4242_0")
+            with open(path, "wb") as f:
+                f.write(b"x" * 4096)
+            with open(self.marker, "w") as f:
+                f.write(path)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
 class SlowDataset(RangeDataset):
     """Each sample sleeps ``delay`` seconds (a blocking read)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -209,6 +210,41 @@ async def test_worker_killed_once_is_replaced_and_nothing_is_lost(
             got = [b.flatten().tolist() for b in await collect(loader, limit=60)]
         assert loader.stats().worker_restarts == 1
     assert (got if in_order else sorted(got)) == expected
+
+
+def test_a_killed_workers_left_shared_memory_files_are_unlinked(tmp_path: Path) -> None:
+    shm_dir = "/dev/shm"
+    if not os.path.isdir(shm_dir):
+        pytest.skip("needs /dev/shm")
+    marker = tmp_path / "died"
+    ds = datasets.ExitOnceLeavingSegmentDataset(20, bad=7, marker=str(marker), shm_dir=shm_dir)
+
+    async def load() -> list[Any]:
+        async with AsyncDataLoader(ds, batch_size=2, num_workers=2) as loader:
+            return await collect(loader, limit=30)
+
+    try:
+        with pytest.warns(RuntimeWarning, match="SIGKILL"):
+            got = asyncio.run(load())
+        assert [b.flatten().tolist() for b in got] == [[i, i + 1] for i in range(0, 20, 2)]
+        left = marker.read_text()
+        assert left.startswith(shm_dir + "/torch_")
+        # Unlinked once the killed worker's pool was shut down (replaced mid-epoch).
+        assert not os.path.exists(left)
+    finally:
+        if marker.exists() and marker.read_text():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker.read_text())
+
+
+def test_only_a_dead_processs_segments_are_unlinked(tmp_path: Path) -> None:
+    from aioloader._transport import unlink_left_segments
+
+    for name in ("torch_111_5_0", "torch_111_6_1", "torch_1111_5_0", "torch_22_5_0", "other"):
+        (tmp_path / name).write_bytes(b"")
+    assert unlink_left_segments(111, str(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "torch_1111_5_0", "torch_22_5_0"]
+    assert unlink_left_segments(111, str(tmp_path / "missing")) == 0
 
 
 async def test_worker_killed_from_outside_is_replaced() -> None:
