@@ -20,16 +20,10 @@ import time
 from collections.abc import Sequence
 
 from aioloader import AsyncDataLoader
+from aioloader.benchmark.loop_lag import _probe
 from aioloader.benchmark.startup import StartupDataset
 
 __all__ = ("measure_start_stall",)
-
-
-async def _probe(stop: asyncio.Event, lags_ms: list[float]) -> None:
-    while not stop.is_set():
-        t = time.perf_counter()
-        await asyncio.sleep(0.001)
-        lags_ms.append((time.perf_counter() - t - 0.001) * 1e3)
 
 
 async def _measure(ds: StartupDataset, method: str, workers: int) -> dict[str, float]:
