@@ -148,6 +148,11 @@ class CrashReport:
         return f"{who} {how}" + (f" ({', '.join(ours)})" if ours else "")
 
 
+#: Under fork, a pinned pool forks its first worker and hands itself to the event loop; the
+#: other workers fork once the loop has sent a task, or after this long (see WorkerPool._grow).
+FORK_REST_AFTER_S = 0.02
+
+
 class WorkerPool:
     """``num_workers`` processes initialised with one :class:`~aioloader._worker.WorkerSpec`.
 
@@ -225,6 +230,8 @@ class WorkerPool:
         self._on_grown: Callable[[BaseException | None], None] | None = None
         self._grow_error: BaseException | None = None
         self._stop_growing = threading.Event()
+        # Set by the first submit() (and by the shutdown): the rest of a fork pool may fork.
+        self._first_task = threading.Event()
 
     @classmethod
     async def start(
@@ -297,9 +304,12 @@ class WorkerPool:
                 self.spec.payload_file[0].close()
 
     def _first_wave(self) -> int:
-        """How many workers start at once; the rest start once those are up (see _start_sync)."""
+        """How many workers start before start() returns; the rest start on the grower thread
+        (see _start_sync and _grow)."""
         if self._ctx.get_start_method() == "fork":
-            return self.num_workers  # cheap to start, and a later fork would run beside threads
+            # Pinned workers: the first one alone, so that it takes its first batch while the
+            # others fork (see _grow). A shared queue: all at once, before its manager thread.
+            return 1 if self._per_worker else self.num_workers
         return max(1, min(self.num_workers, first_wave_size()))
 
     def _start_sync(self) -> None:
@@ -324,15 +334,16 @@ class WorkerPool:
         # soon as its worker is ready. Tasks for a worker not started yet wait in its executor.
         if self._per_worker:
             # Every process before any manager thread: under fork, no thread of this pool runs
-            # while a worker forks (see the class docstring).
+            # while a worker forks (see the class docstring). The manager threads start on the
+            # grower thread, after the last fork: a pinned worker's tasks and results travel
+            # over its lane, so the loop sends the first batches meanwhile (each thread's start
+            # waits for the thread to run, 1-3 ms while new workers take the cores).
             for ex in self._executors[:wave]:
                 ex.start_processes()
-            for ex in self._executors[:wave]:
-                ex.start_manager()
         else:
             self._executors[0].start_workers(wave)
         self._capture_internals()
-        self._growing = wave < self.num_workers
+        self._growing = self._per_worker or wave < self.num_workers
         if self._growing:
             self._grower = threading.Thread(
                 target=self._grow, args=(wave,), name="aioloader-start-rest", daemon=True
@@ -350,7 +361,14 @@ class WorkerPool:
         )
 
     def _grow(self, wave: int) -> None:
-        """Runs in: the grower thread. Start the second wave once the first one is up.
+        """Runs in: the grower thread. Start what :meth:`_start_sync` left to start.
+
+        A pinned pool under fork: the other workers' processes once the loop has sent a task
+        (at most :data:`FORK_REST_AFTER_S` later). CPython holds the interpreter lock through
+        ``fork()``, so the loop cannot run while a worker forks (10-20 ms each for a process of
+        0.5 GB); the first worker, forked already, loads its batch meanwhile. Then a pinned
+        pool's manager threads. Under spawn and forkserver, the second wave once the first one
+        is up.
 
         Starts no process while holding a lock the event loop takes (``watch``, the executors'
         own): the loop never waits for a process start.
@@ -358,21 +376,34 @@ class WorkerPool:
         error: BaseException | None = None
         stopping = self._stop_growing.is_set
         try:
-            first = [p.sentinel for _, p in self._workers]
-            # Up: its initializer is done (imports, dataset, worker_init_fn), so the next
-            # workers' start-up no longer competes with it for a core.
-            while sum(self._ready_slots) < wave:
-                if stopping():
-                    return
-                if multiprocessing.connection.wait(first, 0.01):
-                    return  # one died: crash handling replaces the whole pool
             if self._per_worker:
-                for ex in self._executors[wave:]:
+                if wave < self.num_workers and self._ctx.get_start_method() == "fork":
+                    self._first_task.wait(FORK_REST_AFTER_S)
+                    for ex in self._executors[wave:]:
+                        if stopping():
+                            return
+                        ex.start_processes()
+                    wave = self.num_workers
+                for ex in self._executors[:wave]:
                     if stopping():
                         return
-                    ex.start_workers()
-            elif not self._executors[0].grow(stopping):
-                return  # broken or stopping: crash handling or the shutdown takes it from here
+                    ex.start_manager()
+            if wave < self.num_workers:
+                first = [p.sentinel for _, p in self._workers]
+                # Up: its initializer is done (imports, dataset, worker_init_fn), so the next
+                # workers' start-up no longer competes with it for a core.
+                while sum(self._ready_slots) < wave:
+                    if stopping():
+                        return
+                    if multiprocessing.connection.wait(first, 0.01):
+                        return  # one died: crash handling replaces the whole pool
+                if self._per_worker:
+                    for ex in self._executors[wave:]:
+                        if stopping():
+                            return
+                        ex.start_workers()
+                elif not self._executors[0].grow(stopping):
+                    return  # broken or stopping: crash handling or the shutdown does the rest
             for ch in self._channels:
                 ch.close_worker_end()
         except BaseException as exc:  # a process or thread that could not start (EMFILE, say)
@@ -435,7 +466,10 @@ class WorkerPool:
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
         """Queue one batch; ``worker_id`` picks the worker in a pinned pool, else any one does."""
         ex = self._executors[worker_id if self._per_worker and worker_id is not None else 0]
-        return ex.submit(_worker.fetch, send_idx, indices, epoch)
+        fut = ex.submit(_worker.fetch, send_idx, indices, epoch)
+        if not self._first_task.is_set():
+            self._first_task.set()  # a worker has its task: the rest may fork now (see _grow)
+        return fut
 
     def prefeed(self, worker_id: int | None, key: tuple[int, int], samples: Any) -> bool:
         """Send samples of an open window ahead to the worker it is pinned to (see
@@ -567,6 +601,7 @@ class WorkerPool:
     def _stop_grower(self) -> None:
         """No second wave starts from now on; one under way finishes first (it is short)."""
         self._stop_growing.set()
+        self._first_task.set()  # no longer waited for
         grower = self._grower
         # Not started (its start failed, or is still to come): it will see the stop at once.
         if (

@@ -884,12 +884,12 @@ class Executor(ProcessPoolExecutor):
     def request_shutdown(self, deadline: float) -> bool:
         """``shutdown(wait=False, cancel_futures=True)`` unless the pool broke; never blocks long.
 
-        Returns whether the workers were asked to exit. On Python >= 3.12 the manager thread
-        holds ``_shutdown_lock`` while it terminates a broken pool and joins every worker, which
-        never ends while a worker ignores SIGTERM; ``shutdown()`` would wait for that lock. Here
-        the lock is taken with a timeout, and a broken pool (the manager thread is tearing it
-        down) or the ``deadline`` (``time.monotonic()``) ends the attempt: the caller kills the
-        processes instead.
+        Returns whether the workers were asked to exit (or there are none). On Python >= 3.12
+        the manager thread holds ``_shutdown_lock`` while it terminates a broken pool and joins
+        every worker, which never ends while a worker ignores SIGTERM; ``shutdown()`` would wait
+        for that lock. Here the lock is taken with a timeout, and a broken pool (the manager
+        thread is tearing it down) or the ``deadline`` (``time.monotonic()``) ends the attempt:
+        the caller kills the processes instead.
         """
         lock: threading.Lock = self._shutdown_lock
         while not lock.acquire(timeout=0.01):
@@ -898,6 +898,10 @@ class Executor(ProcessPoolExecutor):
         try:
             if self._broken:
                 return False
+            if self._deferred:
+                # No manager thread yet (stopped while the pool was starting): none can ask its
+                # workers to exit. An executor with no worker has nobody to ask.
+                return not self._processes
             # What shutdown(wait=False, cancel_futures=True) does under the lock; calling it
             # would take the lock again. The references it drops are dropped by a later
             # shutdown() in kill_executors.
