@@ -148,11 +148,6 @@ class CrashReport:
         return f"{who} {how}" + (f" ({', '.join(ours)})" if ours else "")
 
 
-#: Under fork, a pinned pool forks its first worker and hands itself to the event loop; the
-#: other workers fork once the loop has sent a task, or after this long (see WorkerPool._grow).
-FORK_REST_AFTER_S = 0.02
-
-
 class WorkerPool:
     """``num_workers`` processes initialised with one :class:`~aioloader._worker.WorkerSpec`.
 
@@ -230,8 +225,6 @@ class WorkerPool:
         self._on_grown: Callable[[BaseException | None], None] | None = None
         self._grow_error: BaseException | None = None
         self._stop_growing = threading.Event()
-        # Set by the first submit() (and by the shutdown): the rest of a fork pool may fork.
-        self._first_task = threading.Event()
 
     @classmethod
     async def start(
@@ -283,6 +276,7 @@ class WorkerPool:
         manager threads may be gone or frozen; the processes are reaped by whoever outlives us.
         """
         self._kill_requested.set()
+        self._stop_growing.set()  # a second wave still to come never starts
         procs = list(self._procs)
         for ex in self._executors:
             procs += [p for p in ex.processes() if all(p is not q for q in procs)]
@@ -307,9 +301,12 @@ class WorkerPool:
         """How many workers start before start() returns; the rest start on the grower thread
         (see _start_sync and _grow)."""
         if self._ctx.get_start_method() == "fork":
-            # Pinned workers: the first one alone, so that it takes its first batch while the
-            # others fork (see _grow). A shared queue: all at once, before its manager thread.
-            return 1 if self._per_worker else self.num_workers
+            # All at once: forking is cheap, and every fork must end before start() returns, so
+            # that no code of the user's (a sampler on the sampler thread, the consumer's step)
+            # runs on another thread while a worker forks. A native lock held there at that
+            # instant (torch's default generator during randperm, numpy's RandomState) would
+            # stay locked in the child, which then hangs in its initializer's seeding.
+            return self.num_workers
         return max(1, min(self.num_workers, first_wave_size()))
 
     def _start_sync(self) -> None:
@@ -335,9 +332,9 @@ class WorkerPool:
         if self._per_worker:
             # Every process before any manager thread: under fork, no thread of this pool runs
             # while a worker forks (see the class docstring). The manager threads start on the
-            # grower thread, after the last fork: a pinned worker's tasks and results travel
-            # over its lane, so the loop sends the first batches meanwhile (each thread's start
-            # waits for the thread to run, 1-3 ms while new workers take the cores).
+            # grower thread: a pinned worker's tasks and results travel over its lane, so the
+            # loop sends the first batches meanwhile (each thread's start waits for the thread
+            # to run, 1-3 ms while new workers take the cores).
             for ex in self._executors[:wave]:
                 ex.start_processes()
         else:
@@ -363,12 +360,9 @@ class WorkerPool:
     def _grow(self, wave: int) -> None:
         """Runs in: the grower thread. Start what :meth:`_start_sync` left to start.
 
-        A pinned pool under fork: the other workers' processes once the loop has sent a task
-        (at most :data:`FORK_REST_AFTER_S` later). CPython holds the interpreter lock through
-        ``fork()``, so the loop cannot run while a worker forks (10-20 ms each for a process of
-        0.5 GB); the first worker, forked already, loads its batch meanwhile. Then a pinned
-        pool's manager threads. Under spawn and forkserver, the second wave once the first one
-        is up.
+        A pinned pool's manager threads of the first wave; under spawn and forkserver, the
+        second wave once the first one is up. Never a fork: under fork, every worker exists
+        before :meth:`start` returns (see :meth:`_first_wave`).
 
         Starts no process while holding a lock the event loop takes (``watch``, the executors'
         own): the loop never waits for a process start.
@@ -377,13 +371,6 @@ class WorkerPool:
         stopping = self._stop_growing.is_set
         try:
             if self._per_worker:
-                if wave < self.num_workers and self._ctx.get_start_method() == "fork":
-                    self._first_task.wait(FORK_REST_AFTER_S)
-                    for ex in self._executors[wave:]:
-                        if stopping():
-                            return
-                        ex.start_processes()
-                    wave = self.num_workers
                 for ex in self._executors[:wave]:
                     if stopping():
                         return
@@ -466,10 +453,7 @@ class WorkerPool:
     def submit(self, send_idx: int, indices: Any, epoch: int, worker_id: int | None) -> Future[Any]:
         """Queue one batch; ``worker_id`` picks the worker in a pinned pool, else any one does."""
         ex = self._executors[worker_id if self._per_worker and worker_id is not None else 0]
-        fut = ex.submit(_worker.fetch, send_idx, indices, epoch)
-        if not self._first_task.is_set():
-            self._first_task.set()  # a worker has its task: the rest may fork now (see _grow)
-        return fut
+        return ex.submit(_worker.fetch, send_idx, indices, epoch)
 
     def prefeed(self, worker_id: int | None, key: tuple[int, int], samples: Any) -> bool:
         """Send samples of an open window ahead to the worker it is pinned to (see
@@ -601,7 +585,6 @@ class WorkerPool:
     def _stop_grower(self) -> None:
         """No second wave starts from now on; one under way finishes first (it is short)."""
         self._stop_growing.set()
-        self._first_task.set()  # no longer waited for
         grower = self._grower
         # Not started (its start failed, or is still to come): it will see the stop at once.
         if (

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, Sampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from aioloader import AsyncDataLoader, _executor, _transport, _worker
@@ -390,63 +390,57 @@ async def test_pinned_fork_pool_forks_every_worker_before_any_thread(
     monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", counting_spawn)
     pool = await start_pool(PidDataset(8), 3, "fork", per_worker=True)
     try:
+        # Every fork ended before start() returned: no code of the user's runs on another
+        # thread while a worker forks (see test_every_fork_ends_before_the_sampler_runs).
+        assert len(executor_pids(pool)) == 3
         res = await result(pool.submit(0, [1], 0, 2))
         assert res.worker_id == 2
-        await wait_grown(pool)
+        await wait_grown(pool)  # the manager threads start after start() returned
         assert managers_at_fork == [0, 0, 0]
         assert len(pool._manager_threads) == 3
     finally:
         await pool.shutdown(graceful=True)
 
 
-async def test_a_pinned_fork_pool_forks_the_rest_once_the_loop_sent_a_task(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Under fork the first worker forks alone and the others once a task was sent: the
-    interpreter lock is held through every fork, so the first worker loads its batch while the
-    others fork, instead of every worker waiting for the last fork to end."""
-    monkeypatch.setattr(_executor, "FORK_REST_AFTER_S", 60.0)
-    pool = await start_pool(PidDataset(8), 3, "fork", per_worker=True)
-    try:
-        await asyncio.sleep(0.3)
-        assert len(executor_pids(pool)) == 1
-        futs = [pool.submit(i, [i], 0, i) for i in range(3)]
-        results = [await result(f) for f in futs]
-        assert [r.worker_id for r in results] == [0, 1, 2]
-        assert [batch_of(r)[0][0].item() for r in results] == [0, 1, 2]
-        await wait_grown(pool)
-        assert len(pool.sentinels()) == 3
-        assert executor_pids(pool) == pids_of(pool)
-        assert len(pool._manager_threads) == 3
-    finally:
-        await pool.shutdown(graceful=True)
-    assert _all_gone(pool)
+class _ChildrenAtFirstPull(Sampler[int]):
+    """Records the pids of this process's multiprocessing children when first iterated."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seen: list[set[int]] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        self.seen.append({p.pid for p in multiprocessing.active_children() if p.pid})
+        return iter(range(self.n))
 
 
-async def test_a_pinned_fork_pool_forks_the_rest_unasked_soon_after() -> None:
-    """No task comes (a stream still waiting for its first window, say): the other workers
-    fork anyway, FORK_REST_AFTER_S after the first."""
-    pool = await start_pool(PidDataset(8), 3, "fork", per_worker=True)
-    try:
-        await wait_grown(pool)
-        assert len(pool.sentinels()) == 3
-        assert executor_pids(pool) == pids_of(pool)
-    finally:
-        await pool.shutdown(graceful=True)
-    assert _all_gone(pool)
-
-
-@pytest.mark.parametrize("graceful", [True, False])
-async def test_a_shutdown_while_a_fork_pool_waits_for_its_first_task_forks_no_more(
-    monkeypatch: pytest.MonkeyPatch, graceful: bool
-) -> None:
-    monkeypatch.setattr(_executor, "FORK_REST_AFTER_S", 60.0)
-    pool = await start_pool(PidDataset(8), 3, "fork", per_worker=True)
-    began = time.monotonic()
-    await pool.shutdown(graceful=graceful)
-    assert time.monotonic() - began < 20  # not the 60 s wait
-    assert len(pool._procs) == 1
-    assert _all_gone(pool)
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("in_order", [True, False])
+async def test_every_fork_ends_before_the_sampler_runs(in_order: bool) -> None:
+    """Under fork, a worker forked while another thread holds a native lock inherits it held:
+    a sampler's torch.randperm holds the default generator's mutex with the interpreter lock
+    released, and a worker forked then hung for ever in its initializer's torch.manual_seed (a
+    review found this in a version that forked the later workers after start() returned). The
+    sampler runs on its own thread, so every worker must exist before it is first pulled."""
+    sampler = _ChildrenAtFirstPull(24)
+    pids: set[int] = set()
+    async with AsyncDataLoader(
+        PidDataset(24),
+        batch_size=2,
+        sampler=sampler,
+        num_workers=3,
+        in_order=in_order,
+        multiprocessing_context="fork",
+    ) as loader:
+        async with asyncio.timeout(60):
+            async for batch in loader:
+                pids |= set(batch[:, 1].tolist())
+    assert len(pids) == 3  # every worker loaded a batch
+    assert len(sampler.seen) == 1
+    assert pids <= sampler.seen[0]
 
 
 # --------------------------------------------------------------------- staggered start-up
