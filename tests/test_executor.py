@@ -434,13 +434,18 @@ async def test_every_fork_ends_before_the_sampler_runs(in_order: bool) -> None:
         num_workers=3,
         in_order=in_order,
         multiprocessing_context="fork",
+        persistent_workers=True,
     ) as loader:
         async with asyncio.timeout(60):
             async for batch in loader:
                 pids |= set(batch[:, 1].tolist())
-    assert len(pids) == 3  # every worker loaded a batch
+        pool = loader._persistent_pool
+        assert isinstance(pool, WorkerPool)
+        workers = pids_of(pool)
+    assert len(workers) == 3
+    assert pids <= workers
     assert len(sampler.seen) == 1
-    assert pids <= sampler.seen[0]
+    assert workers <= sampler.seen[0]
 
 
 # --------------------------------------------------------------------- staggered start-up
