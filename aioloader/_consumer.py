@@ -206,6 +206,10 @@ class Consumer:
         if self._done or ep.phase is Phase.ENDED:
             raise self._after_end()
         t0 = time.perf_counter()
+        # The clock of stats()'s fractions starts with the first wait it counts, not when the
+        # epoch stamps its own start a moment later: a consumer that only ever waited read a
+        # data-stall fraction above 1.
+        counters.note_request(t0)
         try:
             try:
                 await ep.ensure_started()

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 import aioloader
 from aioloader import AsyncDataLoader, LoaderClosedError
+from aioloader._epoch import Epoch
 from tests import datasets
 from tests.conftest import collect
 
@@ -171,6 +172,29 @@ async def test_stats_counts_what_was_delivered() -> None:
     assert s.time_to_first_batch_s is not None and s.time_to_first_batch_s > 0
     assert s.worker_restarts == 0
     assert s.batches_in_flight == 0
+
+
+async def test_the_data_stall_fraction_counts_from_the_first_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fractions' clock starts with the first wait stats() counts. It started when the
+    epoch stamped its own start, a moment after the consumer's first wait began, so a consumer
+    that only ever waited could read more than 1 (1.0006 in a loaded test run); a start that
+    is slow to stamp shows it every time."""
+    stamp = Epoch.ensure_started
+
+    async def late_stamp(self: Epoch) -> None:
+        if self._start_task is None:
+            await asyncio.sleep(0.2)
+        await stamp(self)
+
+    monkeypatch.setattr(Epoch, "ensure_started", late_stamp)
+    async with AsyncDataLoader(RANGE, batch_size=4, num_workers=0) as loader:
+        async with asyncio.timeout(30):
+            await collect(loader)
+        s = loader.stats()
+    assert s.wait_s >= 0.2
+    assert 0.0 < s.data_stall_fraction <= 1.0
 
 
 def test_works_under_uvloop() -> None:
