@@ -356,7 +356,6 @@ class Epoch:
             self.loop = loop
             self.loop_thread = threading.get_ident()
             self.started_at = time.perf_counter()
-            self.counters.note_request(self.started_at)
             self._to(Phase.STARTING)
             self._guard_task = start_task(
                 loop, self._guard(), name=f"aioloader-guard:{self.epoch_no}"

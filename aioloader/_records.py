@@ -9,7 +9,6 @@ the loader, so a setter called while an epoch runs reaches the next epoch, not t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -145,10 +144,11 @@ class Counters:
         self.ttfb: float | None = None
         self.first_request: float | None = None
 
-    def note_request(self, now: float | None = None) -> None:
-        """The first batch request of the loader's life starts the clock of its fractions."""
+    def note_request(self, now: float) -> None:
+        """The first batch request of the loader's life (the start of the consumer's first
+        wait, ``now``) starts the clock of its fractions."""
         if self.first_request is None:
-            self.first_request = time.perf_counter() if now is None else now
+            self.first_request = now
 
 
 class LoaderStats(NamedTuple):
