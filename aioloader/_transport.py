@@ -122,7 +122,7 @@ class FdChannel:
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the worker's end travels to a worker (spawn/forkserver pass the descriptor).
         pool = self.pool
-        shared = None if pool is None else (pool.state, pool.gens)
+        shared = None if pool is None else (pool.state, pool.gens, pool.wants)
         return (_WorkerEnd, (self.key, self.worker_end, self.wid, shared))
 
     def close_worker_end(self) -> None:
@@ -330,6 +330,9 @@ class BufferPool:
         self.state: Any = make(ctypes.c_ubyte, [_EMPTY] * (self.capacity + 1))
         self._allowed = self.num_workers + 1  # buffers kept whatever their size
         self.gens: Any = make(ctypes.c_int, [0] * self.capacity)
+        # Per worker id, (epoch, send_idx) of the batch it waits for a buffer for; send_idx -1
+        # while it does not wait. A free buffer goes to the earliest batch waiting for one.
+        self.wants: Any = make(ctypes.c_longlong, [-1] * (2 * self.num_workers))
         self.channels: list[FdChannel] = []
         # Batches in pool buffers still alive here: token -> (weak reference to the storage,
         # slot). Whoever pops an entry (the storage's finaliser or release_dropped, on any
@@ -719,16 +722,22 @@ class _WorkerEnd:
     """A worker's side of its :class:`FdChannel`, and its view of the shared batch buffers."""
 
     def __init__(
-        self, key: int, sock: socket.socket, wid: int = 0, shared: tuple[Any, Any] | None = None
+        self,
+        key: int,
+        sock: socket.socket,
+        wid: int = 0,
+        shared: tuple[Any, Any, Any] | None = None,
     ) -> None:
         self.key = key
         self.sock = sock
         self.wid = wid
-        # BufferPool.state and .gens: slot states, and each slot's buffer generation
+        # BufferPool.state, .gens and .wants: slot states, each slot's buffer generation, and
+        # the batch each worker waits for a buffer for
         self.state: Any = None
         self.gens: Any = None
+        self.wants: Any = None
         if shared is not None:
-            self.state, self.gens = shared
+            self.state, self.gens, self.wants = shared
         self.tokens: tuple[int, int] | None = None  # the token pipe's ends, once announced
         self.patient = True  # wait for a buffer when the pool is at its budget
         #: For each of the last batches that took a buffer: whether it waited long for it.
@@ -759,8 +768,11 @@ class _WorkerEnd:
         for slot, (gen, _) in list(self.mapped.items()):
             if gens[slot] != gen:
                 self._forget(slot)  # evicted: its memory goes once no one maps it
-        found = self._take(nbytes)
         patience = _buffer_wait
+        key = _buffer_key() if _buffer_key is not None else None
+        # A worker loading a later batch leaves the free buffers to one waiting for an earlier
+        # batch (which the consumer needs first), and waits behind it.
+        found = None if self._earlier_waits(key) else self._take(nbytes)
         state = self.state
         grow = len(state) - 1
         if found is None and self.patient and patience is not None:
@@ -775,8 +787,23 @@ class _WorkerEnd:
             poller = select.poll()
             poller.register(self.tokens[0], select.POLLIN)
             t0 = time.monotonic()
-            if poller.poll(patience() * 1000):
-                found = self._take(nbytes)
+            deadline = t0 + patience()
+            self._want(key)
+            try:
+                while True:
+                    # Every waiting worker wakes for a token; one takes it, the others wait on.
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not poller.poll(math.ceil(left * 1000)):
+                        break
+                    if self._earlier_waits(key):
+                        time.sleep(_YIELD_S)  # the token is the earlier batch's to take
+                        continue
+                    found = self._take(nbytes)
+                    if found is not None:
+                        break
+            finally:
+                self._want(None)
+            if found is not None:
                 self.waited.append(time.monotonic() - t0 > WAIT_LONG_S)
             else:
                 # A consumer that keeps its batches gives none back: stop waiting, until a
@@ -794,6 +821,26 @@ class _WorkerEnd:
         self.state[found] = _BUSY
         self.unsent.append(found)
         return self.mapped[found][1]
+
+    def _want(self, key: tuple[int, int] | None) -> None:
+        # Publish (or clear) the batch this worker waits for a buffer for.
+        wants, i = self.wants, 2 * self.wid
+        if wants is None or key is None or i + 1 >= len(wants):
+            if wants is not None and i + 1 < len(wants):
+                wants[i + 1] = -1
+            return
+        wants[i] = key[0]
+        wants[i + 1] = key[1]
+
+    def _earlier_waits(self, key: tuple[int, int] | None) -> bool:
+        # Whether another worker waits for a buffer for an earlier batch of the same epoch.
+        wants = self.wants
+        if wants is None or key is None or key[1] < 0:
+            return False
+        for w in range(len(wants) // 2):
+            if w != self.wid and wants[2 * w] == key[0] and 0 <= wants[2 * w + 1] < key[1]:
+                return True
+        return False
 
     def _take(self, nbytes: int) -> int | None:
         # A free buffer's slot from the token pipe, else a permit (_PERMIT), else None. A
@@ -930,7 +977,7 @@ def worker_end(channel: FdChannel | _WorkerEnd) -> _WorkerEnd:
     """The worker's side of ``channel``: a forked worker inherits the whole object."""
     if isinstance(channel, FdChannel):
         pool = channel.pool
-        shared = None if pool is None else (pool.state, pool.gens)
+        shared = None if pool is None else (pool.state, pool.gens, pool.wants)
         return _WorkerEnd(channel.key, channel.worker_end, channel.wid, shared)
     return channel
 
@@ -1140,13 +1187,21 @@ _worker_channel: _WorkerEnd | None = None
 
 
 _buffer_wait: Callable[[], float] | None = None
+_buffer_key: Callable[[], tuple[int, int]] | None = None
+
+#: How long a worker that leaves a free buffer to an earlier batch sleeps before it looks again.
+_YIELD_S = 0.0005
 
 
-def set_buffer_wait(patience: Callable[[], float] | None) -> None:
+def set_buffer_wait(
+    patience: Callable[[], float] | None, key: Callable[[], tuple[int, int]] | None = None
+) -> None:
     """In a worker: ``patience()`` says how long this worker may wait for a pool buffer now, in
-    seconds (None: never wait, make a fresh one)."""
-    global _buffer_wait
+    seconds (None: never wait, make a fresh one); ``key()`` the ``(epoch, send_idx)`` of the
+    batch it loads, which orders the workers waiting for a buffer (None: no order)."""
+    global _buffer_wait, _buffer_key
     _buffer_wait = patience
+    _buffer_key = key
 
 
 def set_worker_channel(channel: FdChannel | _WorkerEnd | None) -> None:

@@ -486,6 +486,12 @@ def _fast_exit() -> None:
     os._exit(0)
 
 
+def _loading() -> tuple[int, int]:
+    """``(epoch, send_idx)`` of the batch this worker loads now (send_idx -1: none)."""
+    wid = _state.worker_id
+    return int(_state.epoch_slots[wid]), int(_state.slots[wid])
+
+
 def _buffer_patience() -> float:
     """How long this worker may wait for a pool buffer now, in seconds.
 
@@ -755,7 +761,7 @@ def init(
     _state.slots = slots
     _state.epoch_slots = epoch_slots
     if channels is not None and slots is not None:
-        _transport.set_buffer_wait(_buffer_patience)
+        _transport.set_buffer_wait(_buffer_patience, _loading)
 
     def objects() -> tuple[Any, Any, Any]:
         if spec.objects is not None:

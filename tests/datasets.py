@@ -498,12 +498,13 @@ def pools_on_a_memfd(
 
 
 @contextlib.contextmanager
-def playing_worker(pool: bool) -> Iterator[Any]:
-    """This process plays a worker: results go out on the channel it yields, with a pool of
-    reused batch buffers if ``pool``; the main side takes them from the same channel."""
+def playing_worker(pool: bool, num_workers: int = 1) -> Iterator[Any]:
+    """This process plays a worker (id 0): results go out on the channel it yields, with a pool
+    of reused batch buffers for ``num_workers`` workers if ``pool``; the main side takes them
+    from the same channel."""
     from aioloader import _transport
 
-    buffers = _transport.BufferPool(1) if pool else None
+    buffers = _transport.BufferPool(num_workers) if pool else None
     ch = _transport.FdChannel(buffers)
     _transport.set_worker_channel(ch)
     try:

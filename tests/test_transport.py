@@ -403,6 +403,60 @@ def test_each_free_buffer_goes_to_exactly_one_worker(pool_channel: _transport.Fd
         other.close()
 
 
+@pytest.mark.parametrize("later_first", [True, False])
+def test_a_buffer_freed_while_two_workers_wait_goes_to_the_earlier_batch(
+    monkeypatch: pytest.MonkeyPatch, later_first: bool
+) -> None:
+    # Both workers are short of a buffer; the consumer needs batch 3 before batch 4, so the
+    # one buffer it gives back goes to batch 3's worker, whichever started waiting first. (Batch
+    # 4's worker took it before, and batch 3's timed out into a fresh segment: a batch of
+    # memory more, at the start of most epochs of `big`.)
+    with datasets.playing_worker(pool=True, num_workers=2) as ch:
+        slot = _warm(ch)
+        pool = _pool(ch)
+        other = _transport.FdChannel(pool, wid=1)
+        mine = _transport._worker_channel
+        assert mine is not None
+        ends = [mine, _transport.worker_end(other)]
+        try:
+            for end in ends:
+                end._receive()
+                assert end.tokens is not None and slot in end.mapped
+            # The consumer holds the only buffer, and no permit is left.
+            tokens = _all_tokens(pool)
+            os.read(pool.tokens_r, _transport._TOKEN.size * len(tokens))
+            assert (slot, pool.gens[slot]) in tokens
+            loads = {0: (7, 4), 1: (7, 3)}  # worker -> (epoch, send_idx) it loads
+            which = threading.local()
+            monkeypatch.setattr(_transport, "_buffer_wait", lambda: 5.0)
+            monkeypatch.setattr(_transport, "_buffer_key", lambda: loads[which.k])
+            got: list[Any] = [None, None]
+
+            def take(k: int) -> None:
+                which.k = k
+                got[k] = ends[k].acquire(4)
+
+            workers = [threading.Thread(target=take, args=(k,)) for k in (0, 1)]
+            for k in (0, 1) if later_first else (1, 0):
+                workers[k].start()
+                deadline = time.monotonic() + 5
+                while pool.wants[2 * k + 1] != loads[k][1] and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert pool.wants[2 * k : 2 * k + 2] == list(loads[k])  # waiting
+            os.write(pool.tokens_w, _transport._TOKEN.pack(slot, pool.gens[slot]))  # dropped
+            workers[1].join(10)
+            assert got[1] is not None, "the earlier batch's worker got no buffer"
+            assert workers[0].is_alive() and got[0] is None  # batch 4 waits on
+            assert pool.wants[1] == 4 and pool.wants[3] == -1
+            ends[1].release_unsent()  # batch 3 dropped without being sent: the buffer is free
+            workers[0].join(10)
+            assert got[0] is not None and pool.wants[1] == -1
+            ends[0].release_unsent()
+        finally:
+            ends[1].close()
+            other.close()
+
+
 def test_a_buffer_too_small_for_the_batches_now_is_let_go_for_a_bigger_one(
     pool_channel: _transport.FdChannel,
 ) -> None:
