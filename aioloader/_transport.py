@@ -318,7 +318,8 @@ class BufferPool:
     waits for the consumer to drop a batch (the start of an epoch included), instead of adding
     a batch of memory. A wait has a time limit (:data:`WAIT_FOR_BUFFER_S`), after which a
     fresh segment is made anyway, as torch does; a permit lost with a killed worker only makes
-    the pool one buffer smaller.
+    the pool one buffer smaller. While workers wait, a freed buffer goes to the one loading the
+    earliest batch (:attr:`wants`): the consumer needs that batch first.
     """
 
     def __init__(self, num_workers: int, raw_array: Callable[..., Any] | None = None) -> None:
@@ -331,7 +332,8 @@ class BufferPool:
         self._allowed = self.num_workers + 1  # buffers kept whatever their size
         self.gens: Any = make(ctypes.c_int, [0] * self.capacity)
         # Per worker id, (epoch, send_idx) of the batch it waits for a buffer for; send_idx -1
-        # while it does not wait. A free buffer goes to the earliest batch waiting for one.
+        # while it does not wait. A worker that sees an earlier batch of its epoch waiting
+        # leaves free buffers to it (best effort: read without a lock).
         self.wants: Any = make(ctypes.c_longlong, [-1] * (2 * self.num_workers))
         self.channels: list[FdChannel] = []
         # Batches in pool buffers still alive here: token -> (weak reference to the storage,
@@ -770,11 +772,12 @@ class _WorkerEnd:
                 self._forget(slot)  # evicted: its memory goes once no one maps it
         patience = _buffer_wait
         key = _buffer_key() if _buffer_key is not None else None
-        # A worker loading a later batch leaves the free buffers to one waiting for an earlier
-        # batch (which the consumer needs first), and waits behind it.
-        found = None if self._earlier_waits(key) else self._take(nbytes)
         state = self.state
         grow = len(state) - 1
+        will_wait = self.patient and patience is not None and sum(self.waited) < 2
+        # A worker that would wait anyway leaves the free buffers to one waiting for an earlier
+        # batch (which the consumer needs first), and waits behind it.
+        found = None if will_wait and self._earlier_waits(key) else self._take(nbytes)
         if found is None and self.patient and patience is not None:
             # Every buffer is in use and the pool may not make another: one comes back as soon
             # as the consumer drops a batch, and a fresh segment would add a batch of memory.
@@ -798,9 +801,15 @@ class _WorkerEnd:
                     if self._earlier_waits(key):
                         time.sleep(_YIELD_S)  # the token is the earlier batch's to take
                         continue
+                    # A buffer that joined the pool while this worker waited is announced on
+                    # its channel before its token is written: map it first.
+                    self._receive()
                     found = self._take(nbytes)
                     if found is not None:
                         break
+                    # Only tokens this worker cannot use (another's, not announced yet): they
+                    # are back in the pipe, which stays readable; look again in a moment.
+                    time.sleep(_YIELD_S)
             finally:
                 self._want(None)
             if found is not None:
@@ -823,14 +832,15 @@ class _WorkerEnd:
         return self.mapped[found][1]
 
     def _want(self, key: tuple[int, int] | None) -> None:
-        # Publish (or clear) the batch this worker waits for a buffer for.
+        # Publish the batch this worker waits for a buffer for (None: it stopped waiting).
         wants, i = self.wants, 2 * self.wid
-        if wants is None or key is None or i + 1 >= len(wants):
-            if wants is not None and i + 1 < len(wants):
-                wants[i + 1] = -1
-            return
-        wants[i] = key[0]
-        wants[i + 1] = key[1]
+        if wants is None or i + 1 >= len(wants):
+            return  # no ordering (a pool made for fewer workers)
+        if key is None:
+            wants[i + 1] = -1
+        else:
+            wants[i] = key[0]
+            wants[i + 1] = key[1]
 
     def _earlier_waits(self, key: tuple[int, int] | None) -> bool:
         # Whether another worker waits for a buffer for an earlier batch of the same epoch.

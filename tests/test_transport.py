@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import math
 import os
 import threading
 import time
@@ -453,8 +454,49 @@ def test_a_buffer_freed_while_two_workers_wait_goes_to_the_earlier_batch(
             assert got[0] is not None and pool.wants[1] == -1
             ends[0].release_unsent()
         finally:
+            os.write(pool.tokens_w, _transport._TOKEN.pack(slot, pool.gens[slot]) * 2)
+            for t in workers:
+                t.join(10)
             ends[1].close()
             other.close()
+
+
+def test_a_worker_waiting_takes_a_buffer_that_joins_the_pool_meanwhile(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A buffer joins the pool (a fresh batch adopted) while the worker waits: its descriptor is
+    # announced on the worker's channel before its token goes in the pipe, so the waiting worker
+    # must map it on waking, not pass the token over (and spin on it) until its patience ends.
+    pool = _pool(pool_channel)
+    end = _transport._worker_channel
+    assert end is not None
+    end._receive()
+    assert end.tokens is not None
+    assert _tokens(pool) == [] and _permits(pool) == 2
+    os.read(pool.tokens_r, _transport._TOKEN.size * 2)  # no buffer, no permit in the pipe
+    monkeypatch.setattr(_transport, "_buffer_wait", lambda: 3.0)
+    nbytes = math.prod(BIG) * 4
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(end.acquire(nbytes)))
+    fd = os.memfd_create("aioloader-test")
+    try:
+        os.ftruncate(fd, nbytes)
+        waiter.start()
+        time.sleep(0.1)
+        assert waiter.is_alive() and not end.mapped
+        t0 = time.monotonic()
+        slot = pool.adopt(pool_channel, fd, nbytes, permitted=True)
+        assert slot >= 0
+        pool.release(slot)  # its batch was dropped: the token goes in the pipe
+        waiter.join(10)
+        assert got and got[0] is not None and got[0].nbytes() == nbytes
+        assert time.monotonic() - t0 < 1.5  # not after the worker's patience ran out
+        assert pool.state[slot] == _transport._BUSY and end.unsent == [slot]
+        end.release_unsent()
+    finally:
+        os.write(pool.tokens_w, _transport._TOKEN.pack(_transport._PERMIT, 0))
+        waiter.join(10)
+        os.close(fd)
 
 
 def test_a_buffer_too_small_for_the_batches_now_is_let_go_for_a_bigger_one(
