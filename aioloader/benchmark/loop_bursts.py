@@ -1,0 +1,135 @@
+"""What sets the event loop's lag on a busy machine: the loop's own CPU in each step.
+
+Run ``python -m aioloader.benchmark.loop_bursts``. Two measurements:
+
+* **Bursts.** A probe sleeps 1 ms on the loop, in a loop (as in the ``loop-lag`` workload),
+  beside two busy processes at niceness ``--worker-nice`` standing in for the workers and
+  ``--background-load`` busy processes at niceness 0; a second task on the same loop burns
+  ``burst`` ms of CPU every ``--period-ms`` ms, standing in for the loop's work on each batch it
+  receives. Prints the probe's p50 and p99 lateness per burst length. No loader runs.
+* **The loop's CPU per batch** of the ``cpu`` workload (9.8 MB batches): the CPU time of the
+  loop's thread while an :class:`~aioloader.AsyncDataLoader` delivers them, per batch.
+
+A loop that only sleeps keeps its wake-ups prompt beside busy processes; one that spends a
+fraction of a millisecond of CPU at a time is scheduled as a CPU user like the others, and waits
+for a core up to a scheduler tick (4 ms at ``HZ=250``) once it has used its share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Sequence
+
+from aioloader import AsyncDataLoader
+from aioloader.benchmark._harness import spin
+from aioloader.benchmark._load import BackgroundLoad
+from aioloader.benchmark.cpu import JpegDataset, make_jpeg
+from aioloader.benchmark.loop_lag import _probe
+
+__all__ = ("loop_cpu_per_batch", "measure_bursts")
+
+
+def _pct(vals: list[float], q: float) -> float:
+    s = sorted(vals)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def _busy(nice: int, seconds: float) -> None:
+    os.nice(nice)
+    spin(seconds)
+
+
+async def _burner(stop: asyncio.Event, burst_s: float, period_s: float) -> None:
+    while not stop.is_set():
+        await asyncio.sleep(period_s)
+        spin(burst_s)
+
+
+async def _one(burst_ms: float, period_ms: float, seconds: float) -> tuple[float, float]:
+    lags: list[float] = []
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(_probe(stop, lags))]
+    if burst_ms > 0:
+        tasks.append(asyncio.create_task(_burner(stop, burst_ms / 1e3, period_ms / 1e3)))
+    await asyncio.sleep(seconds)
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    return _pct(lags, 0.5), _pct(lags, 0.99)
+
+
+def measure_bursts(
+    bursts_ms: Sequence[float], period_ms: float, seconds: float, worker_nice: int
+) -> list[tuple[float, float, float]]:
+    """``(burst ms, p50 ms, p99 ms)`` of the probe per burst length, beside two busy processes
+    at ``worker_nice`` (and whatever other load the caller runs)."""
+    ctx = mp.get_context("fork")
+    total = len(bursts_ms) * (seconds + 0.5) + 5
+    busy = [ctx.Process(target=_busy, args=(worker_nice, total), daemon=True) for _ in range(2)]
+    for p in busy:
+        p.start()
+    try:
+        time.sleep(0.3)
+        out = []
+        for burst in bursts_ms:
+            p50, p99 = asyncio.run(_one(burst, period_ms, seconds))
+            out.append((burst, p50, p99))
+        return out
+    finally:
+        for p in busy:
+            p.kill()
+            p.join()
+
+
+def loop_cpu_per_batch(batches: int, worker_nice: int) -> float:
+    """CPU seconds of the loop's thread per batch of the ``cpu`` workload, 2 workers."""
+
+    async def run() -> float:
+        warmup = 4
+        ds = JpegDataset((batches + warmup) * 32, make_jpeg())
+        async with AsyncDataLoader(
+            ds, batch_size=32, num_workers=2, worker_nice=worker_nice
+        ) as loader:
+            n, c0 = 0, 0.0
+            async for _ in loader:
+                n += 1
+                if n == warmup:
+                    c0 = time.thread_time()
+            return (time.thread_time() - c0) / max(1, n - warmup)
+
+    return asyncio.run(run())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m aioloader.benchmark.loop_bursts",
+        description="The event loop's lag beside busy processes, per CPU burst of the loop; "
+        "and the loop's CPU per batch of the cpu workload.",
+    )
+    parser.add_argument("--bursts", default="0,0.1,0.3,0.5,1", help="burst lengths, ms")
+    parser.add_argument("--period-ms", type=float, default=24.0)
+    parser.add_argument("--seconds", type=float, default=4.0, help="per burst length")
+    parser.add_argument("--worker-nice", type=int, default=5)
+    parser.add_argument("--background-load", type=int, default=1)
+    parser.add_argument("--batches", type=int, default=120, help="cpu workload batches")
+    args = parser.parse_args(argv)
+    bursts = [float(b) for b in args.bursts.split(",") if b]
+    with BackgroundLoad(args.background_load):
+        print(
+            f"probe beside 2 busy processes at nice {args.worker_nice} and "
+            f"{args.background_load} at nice 0; a burst every {args.period_ms:g} ms"
+        )
+        for burst, p50, p99 in measure_bursts(
+            bursts, args.period_ms, args.seconds, args.worker_nice
+        ):
+            print(f"  burst {burst:5.2f} ms: lag p50 {p50:6.2f} ms, p99 {p99:6.2f} ms")
+        per_batch = loop_cpu_per_batch(args.batches, args.worker_nice)
+        print(f"loop thread CPU per batch, cpu workload (9.8 MB): {per_batch * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
