@@ -501,12 +501,14 @@ def _buffer_patience() -> float:
     holding its last batch: it waits only a moment (:data:`~aioloader._transport.
     WAIT_FOR_BUFFER_FIRST_S`), then takes a fresh segment.
     """
+    return _transport.WAIT_FOR_BUFFER_S if _behind() else _transport.WAIT_FOR_BUFFER_FIRST_S
+
+
+def _behind() -> bool:
+    """Whether another worker loads an earlier batch of this worker's epoch."""
     slots, epochs, wid = _state.slots, _state.epoch_slots, _state.worker_id
     mine, epoch = slots[wid], epochs[wid]
-    for w in range(len(slots)):
-        if w != wid and 0 <= slots[w] < mine and epochs[w] == epoch:
-            return _transport.WAIT_FOR_BUFFER_S
-    return _transport.WAIT_FOR_BUFFER_FIRST_S
+    return any(w != wid and 0 <= slots[w] < mine and epochs[w] == epoch for w in range(len(slots)))
 
 
 def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
@@ -761,7 +763,7 @@ def init(
     _state.slots = slots
     _state.epoch_slots = epoch_slots
     if channels is not None and slots is not None:
-        _transport.set_buffer_wait(_buffer_patience, _loading)
+        _transport.set_buffer_wait(_buffer_patience, _loading, _behind)
 
     def objects() -> tuple[Any, Any, Any]:
         if spec.objects is not None:

@@ -891,6 +891,32 @@ def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
     _transport.release_unsent()
 
 
+def test_a_long_wait_behind_an_earlier_batch_does_not_grow_the_pool(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Behind another worker's earlier batch, a wait lasts until that batch reaches the consumer:
+    # the order of delivery makes it, and counting it grew a 2-worker pool to a 4th buffer.
+    # The earliest batch's long wait still counts.
+    pool, held = _every_buffer_held(pool_channel, monkeypatch, wait_s=5.0)
+    end = _transport._worker_channel
+    assert end is not None
+    for behind in (True, False):
+        monkeypatch.setattr(_transport, "_buffer_behind", lambda b=behind: b)
+        end.waited.clear()
+        timer = threading.Timer(0.05, held.pop, args=(0,))  # the consumer drops a batch
+        timer.start()
+        try:
+            out = _transport.pool_buffer(BIG, torch.float32)
+        finally:
+            timer.join(10)
+        assert out is not None
+        assert list(end.waited) == [not behind], behind  # waited about 50 ms
+        del out
+        _transport.release_unsent()
+        held.insert(0, _delivered(_pooled_result(3.0)[0]))  # every buffer held again
+    assert pool.state[pool.capacity] == 0  # no worker asked for a buffer more
+
+
 def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
     pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
