@@ -266,11 +266,18 @@ WAIT_FOR_BUFFER_S = 0.05
 WAIT_FOR_BUFFER_FIRST_S = 0.005
 
 #: A wait longer than this counts as long: a worker that waited long (or in vain) for 2 of its
-#: last 3 buffers asks the pool to keep one buffer more. A wait behind another worker's earlier
-#: batch does not count unless in vain: the order of delivery makes it (on `big`, 2 workers,
-#: counting those waits grew the pool to a 4th buffer in about half the runs: peak PSS near
-#: 410 MB instead of 378, at the same throughput).
+#: last 3 buffers asks the pool to keep one buffer more.
 WAIT_LONG_S = 0.005
+
+# What a worker's wait for a buffer was (_WorkerEnd.waited), and what it asks of the pool
+# (BufferPool.state[capacity]) after two long ones: _LONG for the earliest batch being loaded,
+# or in vain; _LONG_BEHIND for a wait that ended once another worker's earlier batch reached
+# the consumer. The order of delivery makes those, so the pool grows for them only if the
+# consumer keeps batches (on `big`, 2 workers and a consumer that keeps none, they grew the pool
+# to a 4th buffer in most runs: peak PSS near 410 MB instead of 378, at the same throughput).
+_SHORT = 0
+_LONG = 1
+_LONG_BEHIND = 2
 
 # BufferPool.state values.
 _EMPTY = 0  # no buffer in this slot
@@ -425,17 +432,19 @@ class BufferPool:
         # adopt(), with the lock held: the slot, or -1.
         used = [s for s in range(self.capacity) if self._fds[s] >= 0]
         state = self.state
-        if state[self.capacity]:
+        asked = state[self.capacity]
+        if asked:
             # Workers keep finding every buffer in use: keep one buffer more, up to
             # num_workers + 2 (a consumer whose step is as long as a batch's loading holds one
             # while another waits for it, done). Past that only if the consumer holds more
             # batches (a window of recent ones, say) or batches take several buffers each; not
             # for waits the order of delivery makes anyway (a worker a batch ahead of the other
-            # waits for the other's batch to reach the consumer).
+            # waits for the other's batch to reach the consumer: _LONG_BEHIND), unless the
+            # consumer keeps batches.
             state[self.capacity] = 0
             if (
                 self._multi
-                or len(used) + self._permits < self.num_workers + 2
+                or (asked == _LONG and len(used) + self._permits < self.num_workers + 2)
                 or self._consumer_keeps()
             ):
                 self._allowed = min(
@@ -745,8 +754,9 @@ class _WorkerEnd:
             self.state, self.gens, self.wants = shared
         self.tokens: tuple[int, int] | None = None  # the token pipe's ends, once announced
         self.patient = True  # wait for a buffer when the pool is at its budget
-        #: For each of the last batches that took a buffer: whether it waited long for it.
-        self.waited: collections.deque[bool] = collections.deque(maxlen=3)
+        #: For each of the last batches that took a buffer: how it waited for it (_SHORT,
+        #: _LONG, _LONG_BEHIND).
+        self.waited: collections.deque[int] = collections.deque(maxlen=3)
         self.mapped: dict[int, tuple[int, torch.UntypedStorage]] = {}  # slot -> (gen, buffer)
         self.slot_of: dict[int, int] = {}  # a pool buffer's data_ptr -> its slot
         self.unsent: list[int] = []  # slots acquired for the current task, not sent yet
@@ -777,19 +787,24 @@ class _WorkerEnd:
         key = _buffer_key() if _buffer_key is not None else None
         state = self.state
         grow = len(state) - 1
-        will_wait = self.patient and patience is not None and sum(self.waited) < 2
+        long_waits = [w for w in self.waited if w != _SHORT]
+        will_wait = self.patient and patience is not None and len(long_waits) < 2
         # A worker that would wait anyway leaves the free buffers to one waiting for an earlier
         # batch (which the consumer needs first), and waits behind it.
         found = None if will_wait and self._earlier_waits(key) else self._take(nbytes)
         if found is None and self.patient and patience is not None:
             # Every buffer is in use and the pool may not make another: one comes back as soon
             # as the consumer drops a batch, and a fresh segment would add a batch of memory.
-            if sum(self.waited) >= 2:
+            if len(long_waits) >= 2:
                 # Waited long on most of the last batches: the consumer holds more batches than
-                # the pool has room for. Ask for one buffer more, and make it now.
-                state[grow] = 1
+                # the pool has room for. Ask for one buffer more, and make it now; after waits
+                # behind earlier batches only, ask and wait on: the pool grows for those only if
+                # the consumer keeps batches, and decides when the next fresh buffer comes.
                 self.waited.clear()
-                return None
+                if _LONG in long_waits:
+                    state[grow] = _LONG
+                    return None
+                state[grow] = _LONG_BEHIND
             poller = select.poll()
             poller.register(self.tokens[0], select.POLLIN)
             t0 = time.monotonic()
@@ -817,15 +832,18 @@ class _WorkerEnd:
             finally:
                 self._want(None)
             if found is not None:
-                self.waited.append(not behind and time.monotonic() - t0 > WAIT_LONG_S)
+                if time.monotonic() - t0 <= WAIT_LONG_S:
+                    self.waited.append(_SHORT)
+                else:
+                    self.waited.append(_LONG_BEHIND if behind else _LONG)
             else:
                 # A consumer that keeps its batches gives none back: stop waiting, until a
                 # buffer is free again when asked for.
                 self.patient = False
-                self.waited.append(True)
+                self.waited.append(_LONG)
         elif found is not None:
             self.patient = True
-            self.waited.append(False)
+            self.waited.append(_SHORT)
         if found is None:
             return None
         if found == _PERMIT:

@@ -822,7 +822,12 @@ def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batche
         # The pool's three permits, then one made without (after a wait that timed out).
         assert [pool.adopt(ch, fd, big, permitted=True) for _ in range(3)] == [0, 1, 2]
         assert pool.adopt(ch, fd, big) == -1
-        pool.state[grow] = 1  # what a worker that keeps waiting sets
+        # Waits behind earlier batches only: the order of delivery made them, and the consumer
+        # keeps no batch, so no buffer more.
+        pool.state[grow] = _transport._LONG_BEHIND
+        assert pool.adopt(ch, fd, big) == -1
+        assert pool.state[grow] == 0
+        pool.state[grow] = _transport._LONG  # what a worker that keeps waiting sets
         assert pool.adopt(ch, fd, big) == 3  # one more on asking: num_workers + 2
         assert pool.state[grow] == 0
         pool.state[grow] = 1
@@ -834,7 +839,7 @@ def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batche
         pool.state[grow] = 1
         assert pool.adopt(ch, fd, big) == -1  # one delivered batch held: the one it works on
         pool.delivered(entries[1:])
-        pool.state[grow] = 1
+        pool.state[grow] = _transport._LONG_BEHIND  # waits behind count once batches are kept
         assert pool.adopt(ch, fd, big) == 4
         assert pool.adopt(ch, fd, big) == -1  # one more, not more
         # Batches that take several buffers each: the pool grows on asking as well.
@@ -891,30 +896,61 @@ def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
     _transport.release_unsent()
 
 
-def test_a_long_wait_behind_an_earlier_batch_does_not_grow_the_pool(
+def test_a_long_wait_behind_an_earlier_batch_asks_only_for_kept_batches(
     pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Behind another worker's earlier batch, a wait lasts until that batch reaches the consumer:
-    # the order of delivery makes it, and counting it grew a 2-worker pool to a 4th buffer.
-    # The earliest batch's long wait still counts.
+    # the order of delivery makes it. Two such waits ask the pool for a buffer more as waits
+    # behind (granted only while the consumer keeps batches) and the worker waits on; the
+    # earliest batch's own long waits ask, and make a fresh buffer at once, as before.
     pool, held = _every_buffer_held(pool_channel, monkeypatch, wait_s=5.0)
     end = _transport._worker_channel
     assert end is not None
-    for behind in (True, False):
+    monkeypatch.setattr(_transport, "_buffer_key", lambda: (0, 5))
+
+    def load_when_a_batch_is_dropped() -> torch.Tensor | None:
+        # The consumer drops a batch 30 ms after the worker started to wait.
+        def drop_once_waiting() -> None:
+            deadline = time.monotonic() + 10
+            while pool.wants[1] != 5 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.03)
+            held.pop(0)
+
+        dropper = threading.Thread(target=drop_once_waiting)
+        dropper.start()
+        try:
+            return _transport.pool_buffer(BIG, torch.float32)
+        finally:
+            dropper.join(10)
+
+    def deliver(out: torch.Tensor) -> None:
+        # The batch goes to the consumer, which holds it: every buffer is held again.
+        data = _transport.dumps_result(out, (0, 10 + len(held)))
+        _transport.release_unsent()
+        held.insert(0, _delivered(data))
+
+    for behind, kind in ((True, _transport._LONG_BEHIND), (False, _transport._LONG)):
         monkeypatch.setattr(_transport, "_buffer_behind", lambda b=behind: b)
         end.waited.clear()
-        timer = threading.Timer(0.05, held.pop, args=(0,))  # the consumer drops a batch
-        timer.start()
-        try:
-            out = _transport.pool_buffer(BIG, torch.float32)
-        finally:
-            timer.join(10)
-        assert out is not None
-        assert list(end.waited) == [not behind], behind  # waited about 50 ms
-        del out
-        _transport.release_unsent()
-        held.insert(0, _delivered(_pooled_result(3.0)[0]))  # every buffer held again
-    assert pool.state[pool.capacity] == 0  # no worker asked for a buffer more
+        for _ in range(2):
+            end.patient = True
+            out = load_when_a_batch_is_dropped()
+            assert out is not None and end.waited[-1] == kind, behind
+            deliver(out)
+            del out
+        end.patient = True
+        if behind:
+            out = load_when_a_batch_is_dropped()  # asks, and waits on for a buffer
+            assert out is not None and list(end.waited) == [kind]
+            deliver(out)
+            del out
+        else:
+            assert _transport.pool_buffer(BIG, torch.float32) is None  # asks, makes one now
+            assert not end.waited
+            _transport.release_unsent()
+        assert pool.state[pool.capacity] == kind
+        pool.state[pool.capacity] = 0
 
 
 def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
