@@ -269,12 +269,12 @@ WAIT_FOR_BUFFER_FIRST_S = 0.005
 #: last 3 buffers asks the pool to keep one buffer more.
 WAIT_LONG_S = 0.005
 
-# What a worker's wait for a buffer was (_WorkerEnd.waited), and what it asks of the pool
-# (BufferPool.state[capacity]) after two long ones: _LONG for the earliest batch being loaded,
-# or in vain; _LONG_BEHIND for a wait that ended once another worker's earlier batch reached
-# the consumer. The order of delivery makes those, so the pool grows for them only if the
-# consumer keeps batches (on `big`, 2 workers and a consumer that keeps none, they grew the pool
-# to a 4th buffer in most runs: peak PSS near 410 MB instead of 378, at the same throughput).
+# How a worker waited for a buffer (_WorkerEnd.waited): _LONG for the earliest batch being
+# loaded, or in vain; _LONG_BEHIND for a wait that ended once another worker's earlier batch
+# reached the consumer. The order of delivery makes those: two of them ask the pool for a buffer
+# more only while the consumer keeps batches (on `big`, 2 workers and a consumer that keeps
+# none, they grew the pool to a 4th buffer: peak PSS near 410 MB instead of 378, at the same
+# throughput).
 _SHORT = 0
 _LONG = 1
 _LONG_BEHIND = 2
@@ -336,9 +336,10 @@ class BufferPool:
         make = raw_array if raw_array is not None else _raw_array
         self.num_workers = max(1, num_workers)
         self.capacity = self.num_workers * MAX_SLOTS_PER_WORKER
-        # One byte per slot, then a flag: [capacity] is set by a worker that keeps waiting (see
-        # _WorkerEnd.acquire), and lets the pool keep one buffer more.
-        self.state: Any = make(ctypes.c_ubyte, [_EMPTY] * (self.capacity + 1))
+        # One byte per slot, then two flags: [capacity] is set by a worker that keeps waiting
+        # (see _WorkerEnd.acquire), and lets the pool keep one buffer more; [capacity + 1] is
+        # set while the consumer keeps batches (_consumer_keeps), for the workers to read.
+        self.state: Any = make(ctypes.c_ubyte, [_EMPTY] * (self.capacity + 2))
         self._allowed = self.num_workers + 1  # buffers kept whatever their size
         self.gens: Any = make(ctypes.c_int, [0] * self.capacity)
         # Per worker id, (epoch, send_idx) of the batch it waits for a buffer for; send_idx -1
@@ -432,19 +433,18 @@ class BufferPool:
         # adopt(), with the lock held: the slot, or -1.
         used = [s for s in range(self.capacity) if self._fds[s] >= 0]
         state = self.state
-        asked = state[self.capacity]
-        if asked:
+        if state[self.capacity]:
             # Workers keep finding every buffer in use: keep one buffer more, up to
             # num_workers + 2 (a consumer whose step is as long as a batch's loading holds one
             # while another waits for it, done). Past that only if the consumer holds more
             # batches (a window of recent ones, say) or batches take several buffers each; not
             # for waits the order of delivery makes anyway (a worker a batch ahead of the other
-            # waits for the other's batch to reach the consumer: _LONG_BEHIND), unless the
-            # consumer keeps batches.
+            # waits for the other's batch to reach the consumer: the workers do not ask for
+            # those unless the consumer keeps batches, see _WorkerEnd.acquire).
             state[self.capacity] = 0
             if (
                 self._multi
-                or (asked == _LONG and len(used) + self._permits < self.num_workers + 2)
+                or len(used) + self._permits < self.num_workers + 2
                 or self._consumer_keeps()
             ):
                 self._allowed = min(
@@ -548,6 +548,10 @@ class BufferPool:
             for entry, (ref, slot) in self.outstanding.copy().items():
                 if ref.expired() and self.outstanding.pop(entry, None) is not None:
                     self._freed.append(slot)
+        if self._delivered or self.state[self.capacity + 1]:
+            # For the workers (see _WorkerEnd.acquire); read here, between deliveries: while a
+            # batch is handed over the consumer briefly holds it and the one before.
+            self.state[self.capacity + 1] = self._consumer_keeps()
         self.hand_out()
 
     def hand_out(self) -> None:
@@ -786,25 +790,27 @@ class _WorkerEnd:
         patience = _buffer_wait
         key = _buffer_key() if _buffer_key is not None else None
         state = self.state
-        grow = len(state) - 1
+        grow, keeps = len(state) - 2, len(state) - 1
         long_waits = [w for w in self.waited if w != _SHORT]
-        will_wait = self.patient and patience is not None and len(long_waits) < 2
+        # Two long waits ask for a buffer more, and make it now. Waits behind earlier batches
+        # only do not, unless the consumer keeps batches: the order of delivery made them, and
+        # one buffer more would only add a batch of memory.
+        ask = len(long_waits) >= 2 and (_LONG in long_waits or bool(state[keeps]))
+        if len(long_waits) >= 2 and not ask:
+            self.waited.clear()
+        will_wait = self.patient and patience is not None and not ask
         # A worker that would wait anyway leaves the free buffers to one waiting for an earlier
         # batch (which the consumer needs first), and waits behind it.
         found = None if will_wait and self._earlier_waits(key) else self._take(nbytes)
         if found is None and self.patient and patience is not None:
             # Every buffer is in use and the pool may not make another: one comes back as soon
             # as the consumer drops a batch, and a fresh segment would add a batch of memory.
-            if len(long_waits) >= 2:
+            if ask:
                 # Waited long on most of the last batches: the consumer holds more batches than
-                # the pool has room for. Ask for one buffer more, and make it now; after waits
-                # behind earlier batches only, ask and wait on: the pool grows for those only if
-                # the consumer keeps batches, and decides when the next fresh buffer comes.
+                # the pool has room for. Ask for one buffer more, and make it now.
+                state[grow] = 1
                 self.waited.clear()
-                if _LONG in long_waits:
-                    state[grow] = _LONG
-                    return None
-                state[grow] = _LONG_BEHIND
+                return None
             poller = select.poll()
             poller.register(self.tokens[0], select.POLLIN)
             t0 = time.monotonic()
@@ -1235,7 +1241,7 @@ def set_buffer_wait(
     seconds (None: never wait, make a fresh one); ``key()`` the ``(epoch, send_idx)`` of the
     batch it loads, which orders the workers waiting for a buffer (None: no order); ``behind()``
     whether another worker loads an earlier batch of the epoch, so that a wait now comes from
-    the order of delivery (see :data:`WAIT_LONG_S`)."""
+    the order of delivery (see :data:`_LONG_BEHIND`)."""
     global _buffer_wait, _buffer_key, _buffer_behind
     _buffer_wait = patience
     _buffer_key = key

@@ -822,12 +822,7 @@ def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batche
         # The pool's three permits, then one made without (after a wait that timed out).
         assert [pool.adopt(ch, fd, big, permitted=True) for _ in range(3)] == [0, 1, 2]
         assert pool.adopt(ch, fd, big) == -1
-        # Waits behind earlier batches only: the order of delivery made them, and the consumer
-        # keeps no batch, so no buffer more.
-        pool.state[grow] = _transport._LONG_BEHIND
-        assert pool.adopt(ch, fd, big) == -1
-        assert pool.state[grow] == 0
-        pool.state[grow] = _transport._LONG  # what a worker that keeps waiting sets
+        pool.state[grow] = 1  # what a worker that keeps waiting sets
         assert pool.adopt(ch, fd, big) == 3  # one more on asking: num_workers + 2
         assert pool.state[grow] == 0
         pool.state[grow] = 1
@@ -839,7 +834,7 @@ def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batche
         pool.state[grow] = 1
         assert pool.adopt(ch, fd, big) == -1  # one delivered batch held: the one it works on
         pool.delivered(entries[1:])
-        pool.state[grow] = _transport._LONG_BEHIND  # waits behind count once batches are kept
+        pool.state[grow] = 1
         assert pool.adopt(ch, fd, big) == 4
         assert pool.adopt(ch, fd, big) == -1  # one more, not more
         # Batches that take several buffers each: the pool grows on asking as well.
@@ -896,16 +891,17 @@ def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
     _transport.release_unsent()
 
 
-def test_a_long_wait_behind_an_earlier_batch_asks_only_for_kept_batches(
+def test_long_waits_behind_an_earlier_batch_ask_for_a_buffer_only_for_kept_batches(
     pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Behind another worker's earlier batch, a wait lasts until that batch reaches the consumer:
-    # the order of delivery makes it. Two such waits ask the pool for a buffer more as waits
-    # behind (granted only while the consumer keeps batches) and the worker waits on; the
-    # earliest batch's own long waits ask, and make a fresh buffer at once, as before.
+    # the order of delivery makes it. Two such waits ask the pool for a buffer more (and make
+    # one at once) only while the consumer keeps batches; otherwise the worker waits on. The
+    # earliest batch's own long waits ask either way.
     pool, held = _every_buffer_held(pool_channel, monkeypatch, wait_s=5.0)
     end = _transport._worker_channel
     assert end is not None
+    grow, keeps = pool.capacity, pool.capacity + 1
     monkeypatch.setattr(_transport, "_buffer_key", lambda: (0, 5))
 
     def load_when_a_batch_is_dropped() -> torch.Tensor | None:
@@ -930,27 +926,42 @@ def test_a_long_wait_behind_an_earlier_batch_asks_only_for_kept_batches(
         _transport.release_unsent()
         held.insert(0, _delivered(data))
 
-    for behind, kind in ((True, _transport._LONG_BEHIND), (False, _transport._LONG)):
+    for behind, kept, asks in ((True, 0, False), (True, 1, True), (False, 0, True)):
         monkeypatch.setattr(_transport, "_buffer_behind", lambda b=behind: b)
         end.waited.clear()
         for _ in range(2):
             end.patient = True
             out = load_when_a_batch_is_dropped()
+            kind = _transport._LONG_BEHIND if behind else _transport._LONG
             assert out is not None and end.waited[-1] == kind, behind
             deliver(out)
             del out
         end.patient = True
-        if behind:
-            out = load_when_a_batch_is_dropped()  # asks, and waits on for a buffer
-            assert out is not None and list(end.waited) == [kind]
+        pool.state[keeps] = kept  # what the main process last saw of the consumer
+        if asks:
+            assert _transport.pool_buffer(BIG, torch.float32) is None  # asks, makes one now
+            assert pool.state[grow] == 1 and not end.waited
+            pool.state[grow] = 0
+            _transport.release_unsent()
+        else:
+            out = load_when_a_batch_is_dropped()  # no asking: it waits on for a buffer
+            assert out is not None and pool.state[grow] == 0
+            assert list(end.waited) == [_transport._LONG_BEHIND]
             deliver(out)
             del out
-        else:
-            assert _transport.pool_buffer(BIG, torch.float32) is None  # asks, makes one now
-            assert not end.waited
-            _transport.release_unsent()
-        assert pool.state[pool.capacity] == kind
-        pool.state[pool.capacity] = 0
+
+
+def test_the_main_process_tells_the_workers_whether_the_consumer_keeps_batches(
+    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool, held = _every_buffer_held(pool_channel, monkeypatch, wait_s=0.01)
+    keeps = pool.capacity + 1
+    pool.release_dropped()  # as with every result received
+    assert pool.state[keeps] == 1  # two delivered batches alive
+    held.pop(0)
+    pool.release_dropped()
+    assert pool.state[keeps] == 0  # only the one it works on
+    held.clear()
 
 
 def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
