@@ -338,7 +338,8 @@ class BufferPool:
         self.capacity = self.num_workers * MAX_SLOTS_PER_WORKER
         # One byte per slot, then two flags: [capacity] is set by a worker that keeps waiting
         # (see _WorkerEnd.acquire), and lets the pool keep one buffer more; [capacity + 1] is
-        # set while the consumer keeps batches (_consumer_keeps), for the workers to read.
+        # set while the consumer keeps batches (_consumer_keeps, judged at each delivery), for
+        # the workers to read.
         self.state: Any = make(ctypes.c_ubyte, [_EMPTY] * (self.capacity + 2))
         self._allowed = self.num_workers + 1  # buffers kept whatever their size
         self.gens: Any = make(ctypes.c_int, [0] * self.capacity)
@@ -496,7 +497,11 @@ class BufferPool:
         return held >= 2
 
     def delivered(self, entries: tuple[int, ...]) -> None:
-        """The batch holding these entries (of :meth:`track`) went to the consumer."""
+        """The batch holding these entries (of :meth:`track`) went to the consumer. Runs on the
+        consumer's side, when the batch is handed over."""
+        # For the workers (see _WorkerEnd.acquire), judged before this batch joins: a consumer
+        # that keeps none still holds the batch before it now, its loop variable not moved on.
+        self.state[self.capacity + 1] = self._consumer_keeps()
         outstanding = self.outstanding
         for entry in entries:
             if entry in outstanding:
@@ -548,10 +553,6 @@ class BufferPool:
             for entry, (ref, slot) in self.outstanding.copy().items():
                 if ref.expired() and self.outstanding.pop(entry, None) is not None:
                     self._freed.append(slot)
-        if self._delivered or self.state[self.capacity + 1]:
-            # For the workers (see _WorkerEnd.acquire); read here, between deliveries: while a
-            # batch is handed over the consumer briefly holds it and the one before.
-            self.state[self.capacity + 1] = self._consumer_keeps()
         self.hand_out()
 
     def hand_out(self) -> None:

@@ -951,17 +951,32 @@ def test_long_waits_behind_an_earlier_batch_ask_for_a_buffer_only_for_kept_batch
             del out
 
 
-def test_the_main_process_tells_the_workers_whether_the_consumer_keeps_batches(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    pool, held = _every_buffer_held(pool_channel, monkeypatch, wait_s=0.01)
-    keeps = pool.capacity + 1
-    pool.release_dropped()  # as with every result received
-    assert pool.state[keeps] == 1  # two delivered batches alive
-    held.pop(0)
-    pool.release_dropped()
-    assert pool.state[keeps] == 0  # only the one it works on
-    held.clear()
+def test_the_workers_learn_at_each_delivery_whether_the_consumer_keeps_batches() -> None:
+    with datasets.pools_on_a_memfd(64) as (fd, pools, _):
+        pool = pools[0]
+        keeps = pool.capacity + 1
+
+        def deliver() -> torch.UntypedStorage:
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, 64)  # type: ignore[attr-defined]
+            pool.delivered((pool.track(storage, _transport._UNKEPT),))
+            return storage
+
+        a = deliver()
+        assert pool.state[keeps] == 0
+        # A consumer that keeps none: as a batch is handed over it still holds the one before
+        # (its loop variable moves on afterwards), which is no reason to grow.
+        b = deliver()
+        assert pool.state[keeps] == 0
+        del a
+        c = deliver()
+        assert pool.state[keeps] == 0
+        # One that keeps its last two: both are alive when the next arrives.
+        d = deliver()
+        assert pool.state[keeps] == 1
+        del b, c, d
+        e = deliver()
+        assert pool.state[keeps] == 0
+        del e
 
 
 def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
