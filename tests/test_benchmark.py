@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from aioloader.benchmark._load import LoadMeter
 
 
@@ -99,6 +101,21 @@ def test_start_stall_reports_the_loops_stalls_while_workers_start() -> None:
     assert isinstance(row["first_batch_ms"], float) and row["first_batch_ms"] > 0
     assert isinstance(row["max_stall_ms"], float) and row["max_stall_ms"] >= 0
     assert main(["--entries", "5000", "--methods", "fork", "--workers", "1"]) == 0
+
+
+def test_loop_bursts_reports_the_probe_per_burst_and_the_loops_cpu_per_batch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from aioloader.benchmark.loop_bursts import loop_cpu_per_batch, main, measure_bursts
+
+    rows = measure_bursts([0.0, 2.0], period_ms=10.0, seconds=0.3, worker_nice=5)
+    assert [burst for burst, _, _ in rows] == [0.0, 2.0]
+    assert all(0 <= p50 <= p99 for _, p50, p99 in rows)
+    assert rows[1][2] >= 1.0  # 2 ms of CPU on the loop every 10 ms: the probe sees it
+    assert 0 < loop_cpu_per_batch(6, 5) < 1.0
+    main(["--bursts", "0", "--seconds", "0.2", "--batches", "4", "--background-load", "0"])
+    out = capsys.readouterr().out
+    assert "burst  0.00 ms" in out and "loop thread CPU per batch" in out
 
 
 _END_MEASUREMENT = """

@@ -12,7 +12,7 @@ Run ``python -m aioloader.benchmark.loop_bursts``. Two measurements:
 
 A loop that only sleeps keeps its wake-ups prompt beside busy processes; one that spends a
 fraction of a millisecond of CPU at a time is scheduled as a CPU user like the others, and waits
-for a core up to a scheduler tick (4 ms at ``HZ=250``) once it has used its share.
+for a core about a scheduler tick (4 ms at ``HZ=250``) or more once it has used its share.
 """
 
 from __future__ import annotations
