@@ -374,9 +374,13 @@ def test_a_buffer_handed_back_is_reused_and_release_dropped_never_frees_it_twice
     assert _tokens(pool) == [(slot, pool.gens[slot])]
 
 
-def test_each_free_buffer_goes_to_exactly_one_worker(pool_channel: _transport.FdChannel) -> None:
-    slot = _warm(pool_channel)
-    pool = _pool(pool_channel)
+def _two_workers(
+    ch: _transport.FdChannel,
+) -> tuple[int, _transport.BufferPool, _transport.FdChannel, list[_transport._WorkerEnd]]:
+    """:func:`_warm`'s pool, a second worker's channel on it (close it when done), and both
+    workers' ends, each told of the pool's buffer."""
+    slot = _warm(ch)
+    pool = _pool(ch)
     other = _transport.FdChannel(pool, wid=1)
     mine = _transport._worker_channel
     assert mine is not None
@@ -385,6 +389,15 @@ def test_each_free_buffer_goes_to_exactly_one_worker(pool_channel: _transport.Fd
         for end in ends:
             end._receive()
             assert end.tokens is not None and slot in end.mapped
+    except BaseException:
+        other.close()
+        raise
+    return slot, pool, other, ends
+
+
+def test_each_free_buffer_goes_to_exactly_one_worker(pool_channel: _transport.FdChannel) -> None:
+    slot, pool, other, ends = _two_workers(pool_channel)
+    try:
         barrier = threading.Barrier(2)
         got: list[Any] = [None, None]
 
@@ -413,16 +426,9 @@ def test_a_buffer_freed_while_two_workers_wait_goes_to_the_earlier_batch(
     # 4's worker took it before, and batch 3's timed out into a fresh segment: a batch of
     # memory more, at the start of most epochs of `big`.)
     with datasets.playing_worker(pool=True, num_workers=2) as ch:
-        slot = _warm(ch)
-        pool = _pool(ch)
-        other = _transport.FdChannel(pool, wid=1)
-        mine = _transport._worker_channel
-        assert mine is not None
-        ends = [mine, _transport.worker_end(other)]
+        slot, pool, other, ends = _two_workers(ch)
+        workers: list[threading.Thread] = []
         try:
-            for end in ends:
-                end._receive()
-                assert end.tokens is not None and slot in end.mapped
             # The consumer holds the only buffer, and no permit is left.
             tokens = _all_tokens(pool)
             os.read(pool.tokens_r, _transport._TOKEN.size * len(tokens))
@@ -437,7 +443,7 @@ def test_a_buffer_freed_while_two_workers_wait_goes_to_the_earlier_batch(
                 which.k = k
                 got[k] = ends[k].acquire(4)
 
-            workers = [threading.Thread(target=take, args=(k,)) for k in (0, 1)]
+            workers += [threading.Thread(target=take, args=(k,)) for k in (0, 1)]
             for k in (0, 1) if later_first else (1, 0):
                 workers[k].start()
                 deadline = time.monotonic() + 5
@@ -456,7 +462,8 @@ def test_a_buffer_freed_while_two_workers_wait_goes_to_the_earlier_batch(
         finally:
             os.write(pool.tokens_w, _transport._TOKEN.pack(slot, pool.gens[slot]) * 2)
             for t in workers:
-                t.join(10)
+                if t.ident is not None:
+                    t.join(10)
             ends[1].close()
             other.close()
 
