@@ -484,8 +484,8 @@ class BufferPool:
 
     def _consumer_keeps(self) -> bool:
         # Whether the consumer holds buffers of two delivered batches or more: it keeps batches
-        # besides the one it works on. (A consumer that keeps none holds its last batch until
-        # the next one is handed over, and no result is received in between.) Finalisers pop
+        # besides the one it works on. Forgets the delivered batches dropped since (called with
+        # every delivery, this keeps _delivered to the batches alive). Finalisers pop
         # outstanding entries on any thread: each step here is one atomic set operation.
         outstanding = self.outstanding
         held = 0
@@ -506,9 +506,6 @@ class BufferPool:
         for entry in entries:
             if entry in outstanding:
                 self._delivered.add(entry)
-        if len(self._delivered) > 2 * self.capacity:
-            # Forget the batches dropped since (a pool that is never asked to grow never looks).
-            self._delivered = {e for e in list(self._delivered) if e in outstanding}
 
     def track(self, storage: torch.UntypedStorage, slot: int) -> int:
         """``storage`` maps buffer ``slot``: free it once no tensor uses it (for
