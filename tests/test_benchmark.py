@@ -106,16 +106,21 @@ def test_start_stall_reports_the_loops_stalls_while_workers_start() -> None:
 def test_loop_bursts_reports_the_probe_per_burst_and_the_loops_cpu_per_batch(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from aioloader.benchmark.loop_bursts import loop_cpu_per_batch, main, measure_bursts
+    from aioloader.benchmark.loop_bursts import loop_cpu_per_batch, main, measure_bursts, wake_cost
 
     rows = measure_bursts([0.0, 2.0], period_ms=10.0, seconds=0.3, worker_nice=5)
     assert [burst for burst, _, _ in rows] == [0.0, 2.0]
     assert all(0 <= p50 <= p99 for _, p50, p99 in rows)
     assert rows[1][2] >= 1.0  # 2 ms of CPU on the loop every 10 ms: the probe sees it
     assert 0 < loop_cpu_per_batch(6, 5) < 1.0
-    main(["--bursts", "0", "--seconds", "0.2", "--batches", "4", "--background-load", "0"])
+    wake = wake_cost([0.1, 2.0], repeats=3)
+    assert [gap for gap, _, _ in wake] == [0.1, 2.0]
+    assert all(0 < slept < 1e5 and 0 < spun < 1e5 for _, slept, spun in wake)
+    quick = ["--bursts", "0", "--seconds", "0.2", "--batches", "4", "--background-load", "0"]
+    main([*quick, "--gaps", "0.5", "--repeats", "2"])
     out = capsys.readouterr().out
     assert "burst  0.00 ms" in out and "loop thread CPU per batch" in out
+    assert "gap   0.50 ms: after sleeping" in out
 
 
 _END_MEASUREMENT = """

@@ -1,6 +1,6 @@
 """What sets the event loop's lag on a busy machine: the loop's own CPU in each step.
 
-Run ``python -m aioloader.benchmark.loop_bursts``. Two measurements:
+Run ``python -m aioloader.benchmark.loop_bursts``. Three measurements:
 
 * **Bursts.** A probe sleeps 1 ms on the loop, in a loop (as in the ``loop-lag`` workload),
   beside two busy processes at niceness ``--worker-nice`` standing in for the workers and
@@ -9,6 +9,11 @@ Run ``python -m aioloader.benchmark.loop_bursts``. Two measurements:
   receives. Prints the probe's p50 and p99 lateness per burst length. No loader runs.
 * **The loop's CPU per batch** of the ``cpu`` workload (9.8 MB batches): the CPU time of the
   loop's thread while an :class:`~aioloader.AsyncDataLoader` delivers them, per batch.
+* **What a wake-up costs.** One unit of the loop's work on a batch (unpickling a small batch
+  the way the loop receives it) timed right after the thread slept ``gap`` ms, and right after
+  it spun for as long. The difference is what waking up costs the first work after it (caches
+  and translation buffers refilled, a virtual CPU resumed after a halt); on a machine where it
+  is large, a loop that sleeps between batches pays it on every batch.
 
 A loop that only sleeps keeps its wake-ups prompt beside busy processes; one that spends a
 fraction of a millisecond of CPU at a time is scheduled as a CPU user like the others, and waits
@@ -31,7 +36,7 @@ from aioloader.benchmark._load import BackgroundLoad
 from aioloader.benchmark.cpu import JpegDataset, make_jpeg
 from aioloader.benchmark.loop_lag import _probe
 
-__all__ = ("loop_cpu_per_batch", "measure_bursts")
+__all__ = ("loop_cpu_per_batch", "measure_bursts", "wake_cost")
 
 
 def _pct(vals: list[float], q: float) -> float:
@@ -104,11 +109,61 @@ def loop_cpu_per_batch(batches: int, worker_nice: int) -> float:
     return asyncio.run(run())
 
 
+def wake_cost(gaps_ms: Sequence[float], repeats: int) -> list[tuple[float, float, float]]:
+    """``(gap ms, µs after sleeping, µs after spinning)``: the median wall time of one unit of
+    the loop's receive work right after the thread slept, or spun, for ``gap`` ms."""
+    import statistics
+
+    import torch
+
+    from aioloader import _transport
+
+    batch = (torch.zeros(32, 8, 8, 3, dtype=torch.uint8), list(range(32)))
+    data = _transport.dumps_result(batch)
+
+    def unit() -> float:
+        t = time.perf_counter()
+        _transport.loads_result(data)
+        return time.perf_counter() - t
+
+    out = []
+    for gap_ms in gaps_ms:
+        gap = gap_ms / 1e3
+        # One block each, spinning first: a thread that slept runs slowly for a while after it
+        # resumes, spinning included, so alternating the two would blur them.
+        spun = []
+        for _ in range(repeats):
+            spin(gap)
+            spun.append(unit())
+        slept = []
+        for _ in range(repeats):
+            time.sleep(gap)
+            slept.append(unit())
+        out.append((gap_ms, statistics.median(slept) * 1e6, statistics.median(spun) * 1e6))
+    return out
+
+
+def _idle_driver() -> str:
+    # What a halted CPU of this machine does (a virtual machine's "haltpoll" with polling off
+    # gives the CPU back to the host at once).
+    base = "/sys/devices/system/cpu/cpuidle/current_driver"
+    poll = "/sys/module/haltpoll/parameters/guest_halt_poll_ns"
+    parts = []
+    for label, path in (("cpuidle driver", base), ("guest_halt_poll_ns", poll)):
+        try:
+            with open(path) as f:
+                parts.append(f"{label} {f.read().strip()}")
+        except OSError:
+            continue
+    return ", ".join(parts) or "cpuidle: not shown by this system"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m aioloader.benchmark.loop_bursts",
         description="The event loop's lag beside busy processes, per CPU burst of the loop; "
-        "and the loop's CPU per batch of the cpu workload.",
+        "the loop's CPU per batch of the cpu workload; and what a wake-up costs the work after "
+        "it.",
     )
     parser.add_argument("--bursts", default="0,0.1,0.3,0.5,1", help="burst lengths, ms")
     parser.add_argument("--period-ms", type=float, default=24.0)
@@ -116,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--worker-nice", type=int, default=5)
     parser.add_argument("--background-load", type=int, default=1)
     parser.add_argument("--batches", type=int, default=120, help="cpu workload batches")
+    parser.add_argument("--gaps", default="0.1,1,20", help="wake-up cost: idle gaps, ms")
+    parser.add_argument("--repeats", type=int, default=100, help="wake-up cost: per gap")
     args = parser.parse_args(argv)
     bursts = [float(b) for b in args.bursts.split(",") if b]
     with BackgroundLoad(args.background_load):
@@ -129,6 +186,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"  burst {burst:5.2f} ms: lag p50 {p50:6.2f} ms, p99 {p99:6.2f} ms")
         per_batch = loop_cpu_per_batch(args.batches, args.worker_nice)
         print(f"loop thread CPU per batch, cpu workload (9.8 MB): {per_batch * 1e3:.2f} ms")
+        gaps = [float(g) for g in args.gaps.split(",") if g]
+        print(f"one unit of receive work after an idle gap ({_idle_driver()})")
+        for gap, slept, spun in wake_cost(gaps, args.repeats):
+            print(
+                f"  gap {gap:6.2f} ms: after sleeping {slept:7.1f} us, after spinning "
+                f"{spun:7.1f} us ({slept / spun:.1f}x)"
+            )
 
 
 if __name__ == "__main__":
