@@ -9,11 +9,12 @@ Run ``python -m aioloader.benchmark.loop_bursts``. Three measurements:
   receives. Prints the probe's p50 and p99 lateness per burst length. No loader runs.
 * **The loop's CPU per batch** of the ``cpu`` workload (9.8 MB batches): the CPU time of the
   loop's thread while an :class:`~aioloader.AsyncDataLoader` delivers them, per batch.
-* **What a wake-up costs.** One unit of the loop's work on a batch (unpickling a small batch
-  the way the loop receives it) timed right after the thread slept ``gap`` ms, and right after
-  it spun for as long. The difference is what waking up costs the first work after it (caches
-  and translation buffers refilled, a virtual CPU resumed after a halt); on a machine where it
-  is large, a loop that sleeps between batches pays it on every batch.
+* **What a wake-up costs.** One ``loads_result`` of a 6 KB inline batch (what the loop does
+  to a small batch it receives, less reading the pipe), timed right after the thread slept
+  ``gap`` ms and right after it spun for as long, with no other load. The difference is what
+  waking up costs the first work after it (caches refilled, a virtual CPU resumed after a
+  halt); on a machine where it is large, a loop whose CPU goes idle between batches pays it on
+  every batch.
 
 A loop that only sleeps keeps its wake-ups prompt beside busy processes; one that spends a
 fraction of a millisecond of CPU at a time is scheduled as a CPU user like the others, and waits
@@ -110,36 +111,48 @@ def loop_cpu_per_batch(batches: int, worker_nice: int) -> float:
 
 
 def wake_cost(gaps_ms: Sequence[float], repeats: int) -> list[tuple[float, float, float]]:
-    """``(gap ms, µs after sleeping, µs after spinning)``: the median wall time of one unit of
-    the loop's receive work right after the thread slept, or spun, for ``gap`` ms."""
+    """``(gap ms, µs after sleeping, µs after spinning)``: the median wall time of one
+    ``loads_result`` of a 6 KB inline batch (what the loop does to a small batch it receives,
+    less reading the pipe), right after the thread slept, or spun, for ``gap`` ms.
+
+    Every spinning block runs first, each after 0.2 s of spinning: a thread that slept stays
+    slow for a while after it resumes, spinning included. Spinning keeps the CPU awake but
+    does not keep the unit's memory in its caches, so the spun figure is not the fully warm
+    cost, and the ratio understates what a wake-up costs.
+    """
     import statistics
 
     import torch
 
     from aioloader import _transport
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     batch = (torch.zeros(32, 8, 8, 3, dtype=torch.uint8), list(range(32)))
     data = _transport.dumps_result(batch)
 
     def unit() -> float:
         t = time.perf_counter()
-        _transport.loads_result(data)
-        return time.perf_counter() - t
+        got = _transport.loads_result(data)
+        took = time.perf_counter() - t
+        del got  # freed outside the timed part
+        return took
 
+    spun: dict[float, float] = {}
+    for gap_ms in gaps_ms:
+        spin(0.2)
+        times = []
+        for _ in range(repeats):
+            spin(gap_ms / 1e3)
+            times.append(unit())
+        spun[gap_ms] = statistics.median(times)
     out = []
     for gap_ms in gaps_ms:
-        gap = gap_ms / 1e3
-        # One block each, spinning first: a thread that slept runs slowly for a while after it
-        # resumes, spinning included, so alternating the two would blur them.
-        spun = []
+        times = []
         for _ in range(repeats):
-            spin(gap)
-            spun.append(unit())
-        slept = []
-        for _ in range(repeats):
-            time.sleep(gap)
-            slept.append(unit())
-        out.append((gap_ms, statistics.median(slept) * 1e6, statistics.median(spun) * 1e6))
+            time.sleep(gap_ms / 1e3)
+            times.append(unit())
+        out.append((gap_ms, statistics.median(times) * 1e6, spun[gap_ms] * 1e6))
     return out
 
 
@@ -175,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=100, help="wake-up cost: per gap")
     args = parser.parse_args(argv)
     bursts = [float(b) for b in args.bursts.split(",") if b]
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     with BackgroundLoad(args.background_load):
         print(
             f"probe beside 2 busy processes at nice {args.worker_nice} and "
@@ -186,13 +201,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"  burst {burst:5.2f} ms: lag p50 {p50:6.2f} ms, p99 {p99:6.2f} ms")
         per_batch = loop_cpu_per_batch(args.batches, args.worker_nice)
         print(f"loop thread CPU per batch, cpu workload (9.8 MB): {per_batch * 1e3:.2f} ms")
-        gaps = [float(g) for g in args.gaps.split(",") if g]
-        print(f"one unit of receive work after an idle gap ({_idle_driver()})")
-        for gap, slept, spun in wake_cost(gaps, args.repeats):
-            print(
-                f"  gap {gap:6.2f} ms: after sleeping {slept:7.1f} us, after spinning "
-                f"{spun:7.1f} us ({slept / spun:.1f}x)"
-            )
+    # Without the background load: a busy process keeps the CPUs from going idle, which is
+    # what this part measures the price of.
+    gaps = [float(g) for g in args.gaps.split(",") if g]
+    print(f"one loads_result of a 6 KB batch after an idle gap, no other load ({_idle_driver()})")
+    for gap, slept, spun in wake_cost(gaps, args.repeats):
+        print(
+            f"  gap {gap:6.2f} ms: after sleeping {slept:7.1f} us, after spinning "
+            f"{spun:7.1f} us ({slept / spun:.1f}x)"
+        )
 
 
 if __name__ == "__main__":
