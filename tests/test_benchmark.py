@@ -120,6 +120,8 @@ def test_loop_bursts_reports_the_probe_per_burst_and_the_loops_cpu_per_batch(
     assert all(0 < slept < 10_000 and 0 < spun < 10_000 for _, slept, spun in wake)
     with pytest.raises(ValueError, match="repeats must be at least 1"):
         wake_cost([1.0], repeats=0)
+    with pytest.raises(ValueError, match="gaps must not be negative"):
+        wake_cost([-1.0], repeats=1)
     quick = ["--bursts", "0", "--seconds", "0.2", "--batches", "4", "--background-load", "0"]
     main([*quick, "--gaps", "0.5", "--repeats", "2"])
     out = capsys.readouterr().out

@@ -116,9 +116,9 @@ def wake_cost(gaps_ms: Sequence[float], repeats: int) -> list[tuple[float, float
     less reading the pipe), right after the thread slept, or spun, for ``gap`` ms.
 
     Every spinning block runs first, each after 0.2 s of spinning: a thread that slept stays
-    slow for a while after it resumes, spinning included. Spinning keeps the CPU awake but
-    does not keep the unit's memory in its caches, so the spun figure is not the fully warm
-    cost, and the ratio understates what a wake-up costs.
+    slow for a while after it resumes, spinning included. The spun figure is above what the
+    unit costs in a tight loop (and rises with the gap, for reasons not measured), so the ratio
+    understates what a wake-up costs.
     """
     import statistics
 
@@ -128,6 +128,8 @@ def wake_cost(gaps_ms: Sequence[float], repeats: int) -> list[tuple[float, float
 
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if any(g < 0 for g in gaps_ms):
+        raise ValueError(f"gaps must not be negative, got {list(gaps_ms)}")
     batch = (torch.zeros(32, 8, 8, 3, dtype=torch.uint8), list(range(32)))
     data = _transport.dumps_result(batch)
 
@@ -190,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     bursts = [float(b) for b in args.bursts.split(",") if b]
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    gaps = [float(g) for g in args.gaps.split(",") if g]
+    if any(g < 0 for g in gaps):
+        parser.error("--gaps must not be negative")
     with BackgroundLoad(args.background_load):
         print(
             f"probe beside 2 busy processes at nice {args.worker_nice} and "
@@ -203,7 +208,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"loop thread CPU per batch, cpu workload (9.8 MB): {per_batch * 1e3:.2f} ms")
     # Without the background load: a busy process keeps the CPUs from going idle, which is
     # what this part measures the price of.
-    gaps = [float(g) for g in args.gaps.split(",") if g]
     print(f"one loads_result of a 6 KB batch after an idle gap, no other load ({_idle_driver()})")
     for gap, slept, spun in wake_cost(gaps, args.repeats):
         print(
