@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import math
 import os
 import threading
 import time
@@ -482,7 +481,10 @@ def test_a_worker_waiting_takes_a_buffer_that_joins_the_pool_meanwhile(
     assert _tokens(pool) == [] and _permits(pool) == 2
     os.read(pool.tokens_r, _transport._TOKEN.size * 2)  # no buffer, no permit in the pipe
     monkeypatch.setattr(_transport, "_buffer_wait", lambda: 3.0)
-    nbytes = math.prod(BIG) * 4
+    # Big enough that the pool's target stays at num_workers + 1: adopting it issues no permit,
+    # which the waiter, woken by the permit's token, could take before the buffer's token is
+    # written (it did, once, on a loaded machine). The memfd stays sparse: nothing is touched.
+    nbytes = _transport.POOL_BYTES * 3 // 4
     got: list[Any] = []
     waiter = threading.Thread(target=lambda: got.append(end.acquire(nbytes)))
     fd = os.memfd_create("aioloader-test")
@@ -499,6 +501,7 @@ def test_a_worker_waiting_takes_a_buffer_that_joins_the_pool_meanwhile(
         assert got and got[0] is not None and got[0].nbytes() == nbytes
         assert time.monotonic() - t0 < 1.5  # not after the worker's patience ran out
         assert pool.state[slot] == _transport._BUSY and end.unsent == [slot]
+        assert _permits(pool) == 0 and end.permits == 0
         end.release_unsent()
     finally:
         os.write(pool.tokens_w, _transport._TOKEN.pack(_transport._PERMIT, 0))
