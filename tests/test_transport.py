@@ -549,16 +549,18 @@ def test_the_pool_is_bounded_from_the_first_batch_and_a_worker_waits_for_a_buffe
     assert waits == [] and _permits(pool) == 0
     assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
     # A third batch while the consumer holds both: no third buffer, the worker waits until
-    # the consumer drops a batch.
+    # the consumer drops a batch, 0.2 s after the wait began (the timer starts with the wait,
+    # so a stall of this thread before it cannot shorten the wait or skip it).
     timer = threading.Timer(0.2, held.pop, args=(0,))
-    timer.start()
+    monkeypatch.setattr(_transport, "_buffer_wait", lambda: waits.append(1) or timer.start() or 5.0)
     try:
         t0 = time.monotonic()
         out = _transport.pool_buffer(BIG, torch.float32)
         assert out is not None and waits == [1]
-        assert 0.1 < time.monotonic() - t0 < 4.0
+        assert 0.15 < time.monotonic() - t0 < 4.0
     finally:
-        timer.join(10)
+        if timer.ident is not None:
+            timer.join(10)
     del out
     _transport.release_unsent()  # not sent: the buffer is free again
     # A consumer that keeps its batches: the wait times out once, then no more waiting, and
