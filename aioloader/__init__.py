@@ -13,6 +13,7 @@ from ._errors import (
 )
 from ._loader import AsyncDataLoader, AsyncMapDataset
 from ._records import LoaderStats
+from ._remote import FetchPolicy, is_transient
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "AsyncDataLoader",
     "AsyncMapDataset",
     "EpochEndedError",
+    "FetchPolicy",
     "LoaderClosedError",
     "LoaderStats",
     "LoaderTimeoutError",
@@ -28,4 +30,5 @@ __all__ = [
     "SyncDataLoader",
     "WorkerCrashedError",
     "__version__",
+    "is_transient",
 ]

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import copy
+import dataclasses
 import enum
 import functools
 import inspect
 import logging
 import multiprocessing
 import os
+import pickle
 import sys
 import threading
 import time
@@ -51,6 +53,7 @@ from ._errors import EpochEndedError, LoaderClosedError
 from ._executor import WorkerPool
 from ._phase import Phase
 from ._records import Counters, LoaderStats, Plan, StreamInput
+from ._remote import FetchPolicy, InWorkers, check_policy, ensure_picklable
 from ._resume import Position, Progress, Start
 from ._stream import check_latency, source_kind
 from ._threadworkers import ThreadWorkers
@@ -123,12 +126,26 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             arrived at which the batch closes even if it holds fewer than ``batch_size`` samples.
             ``None`` (the default) closes batches by size alone.
         source_concurrency: Async map-style datasets: at most this many ``__getitem__`` (or
-            ``__getitems__``) calls run at once on the event loop.
+            ``__getitems__``) calls run at once: on the event loop (``fetch_in="loop"``), or in
+            each worker, across the batches it has been sent (``fetch_in="workers"``).
+        fetch_in: Async map-style datasets: where ``__getitem__`` runs. ``"workers"`` (the
+            default when ``num_workers > 0``): in each worker, on an event loop of the
+            worker's own, so fetching, ``transform`` and ``collate_fn`` happen in one process
+            and no sample's bytes cross this event loop; the dataset must pickle. ``"loop"``
+            (the default, and the only choice, with ``num_workers=0``): on this event loop;
+            the samples then travel to the workers for ``transform`` and ``collate_fn``.
+        fetch_policy: Async map-style datasets: a :class:`~aioloader.FetchPolicy` (per-call
+            timeout, retries of transient failures, hedged calls). Default: ``FetchPolicy()``.
 
     The dataset may be an **async source**: an async iterable (an ``async def`` generator, an
     object with ``__aiter__``), read on the event loop and batched by size or time, or a map-style
     dataset whose ``__getitem__``/``__getitems__`` is ``async def``. The source stays in this
-    process; its samples go to the workers for ``transform`` and ``collate_fn``. A source with an
+    process (an async map-style dataset is fetched by the workers themselves when
+    ``fetch_in="workers"``); its samples go to the workers for ``transform`` and
+    ``collate_fn``. A dataset with ``async def __aenter__``/``__aexit__`` is entered once in
+    each event loop that fetches from it, before the first call, and exited when that loop's
+    work ends (a worker's exit; the epoch's end on this loop): open its client there. A source
+    with an
     ``ack(samples)`` method (plain or ``async``) is told, batch by batch in delivery order, which
     samples the consumer received, once the consumer asks for the next batch. See
     ``docs/streaming.md``.
@@ -172,8 +189,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         max_batch_latency: float | None = None,
         source_concurrency: int = 16,
         executor: str | Launcher = "process",
+        fetch_in: Literal["workers", "loop"] | None = None,
+        fetch_policy: FetchPolicy | None = None,
     ) -> None:
-        stream = _stream_input(
+        stream, remote = _stream_input(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
@@ -182,6 +201,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             transform=transform,
             max_batch_latency=max_batch_latency,
             source_concurrency=source_concurrency,
+            num_workers=num_workers,
+            fetch_in=fetch_in,
+            fetch_policy=fetch_policy,
         )
         # torch's own constructor does the validation, picks the default samplers and collate_fn,
         # and starts nothing: workers start only when it is iterated, which we never do.
@@ -248,6 +270,12 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self.max_batch_latency = max_batch_latency
         self.source_concurrency = source_concurrency
         self._stream = stream
+        # fetch_in="workers": what the workers are sent instead of the bare dataset (see
+        # _worker_dataset); None otherwise.
+        self._remote = remote
+        self._fetch_policy = (
+            stream.policy if stream is not None else (remote.policy if remote is not None else None)
+        )
         self._torch = torch_loader
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
         self._is_datapipe = isinstance(torch_loader.dataset, IterDataPipe)
@@ -468,6 +496,11 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             raise ValueError("timeout option should be non-negative")
         prefetch = self.prefetch_factor
         check_prefetch_factor(prefetch, workers)
+        if self._remote is not None and workers == 0:
+            raise ValueError(
+                "fetch_in='workers' fetches in the worker processes, and num_workers is now 0: "
+                "set num_workers > 0, or make the loader with fetch_in='loop'"
+            )
         torch_loader = self._torch
         promised = torch_loader._IterableDataset_len_called if self._is_iterable else None
         return Plan(
@@ -851,10 +884,35 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
 
     def _worker_dataset(self) -> Any:
         """What the workers hold: the dataset, or for an async source its per-sample transform
-        (the source itself stays on the loop and need not pickle)."""
+        (the source itself stays on the loop and need not pickle), or for ``fetch_in="workers"``
+        the async dataset with how to call it."""
         if self._stream is not None:
             return _worker.SampleCollator(self.transform)
+        if self._remote is not None:
+            return dataclasses.replace(
+                self._remote,
+                dataset=self.dataset,
+                concurrency=self.source_concurrency,
+                transform=self.transform,
+            )
         return self.dataset
+
+    @property
+    def fetch_in(self) -> str | None:
+        """Where an async map-style dataset's ``__getitem__`` runs: ``"workers"`` (each worker,
+        on an event loop of its own) or ``"loop"`` (this event loop); None for other datasets.
+        Fixed at construction."""
+        if self._remote is not None:
+            return "workers"
+        if self._stream is not None and self._stream.kind == "map":
+            return "loop"
+        return None
+
+    @property
+    def fetch_policy(self) -> FetchPolicy | None:
+        """Timeouts, retries and hedging of an async map-style dataset's calls; None for other
+        datasets. Fixed at construction."""
+        return self._fetch_policy
 
     async def _new_pool(self, plan: Plan, base_seed: int) -> Backend:
         """Start a set of ``plan.num_workers`` workers of the plan's executor."""
@@ -1120,8 +1178,13 @@ def _stream_input(
     transform: Any,
     max_batch_latency: object,
     source_concurrency: object,
-) -> StreamInput | None:
-    """Validate the async-source arguments; None when ``dataset`` is not an async source."""
+    num_workers: object,
+    fetch_in: object,
+    fetch_policy: object,
+) -> tuple[StreamInput | None, InWorkers | None]:
+    """Validate the async-source arguments. Returns what the loop reads (an async iterable, or an
+    async map-style dataset fetched on the loop) or what the workers fetch
+    (``fetch_in="workers"``); both None when ``dataset`` is not an async source."""
     if inspect.isasyncgenfunction(dataset) or inspect.isgeneratorfunction(dataset):
         name = getattr(dataset, "__name__", "the generator function")
         raise TypeError(
@@ -1138,6 +1201,19 @@ def _stream_input(
         "a positive int (async __getitem__ calls run at once)",
     )
     latency = check_latency(max_batch_latency)
+    if fetch_in not in (None, "workers", "loop"):
+        raise ValueError(
+            "fetch_in should be 'workers' (each worker calls the async __getitem__ on an event "
+            "loop of its own), 'loop' (this event loop calls it) or None (the default: 'workers' "
+            f"when num_workers > 0), got {fetch_in!r}"
+        )
+    if kind != "map":
+        for name, value in (("fetch_in", fetch_in), ("fetch_policy", fetch_policy)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} applies to async map-style datasets only (whose __getitem__ or "
+                    f"__getitems__ is async def), and {type(dataset).__name__} is not one"
+                )
     if kind is None:
         for name, value in (("transform", transform), ("max_batch_latency", latency)):
             if value is not None:
@@ -1146,7 +1222,8 @@ def _stream_input(
                     f"whose __getitem__ is async def), and {type(dataset).__name__} is neither; "
                     "for a torch Dataset apply it in __getitem__ or collate_fn"
                 )
-        return None
+        return None, None
+    policy = check_policy(fetch_policy)
     if transform is not None and not callable(transform):
         raise TypeError(f"transform should be a callable applied to each sample, got {transform!r}")
     if kind == "map" and latency is not None:
@@ -1166,14 +1243,45 @@ def _stream_input(
                 "sampler and batch_sampler cannot apply to an async iterable source: it has no "
                 "indices (batches are formed by batch_size and max_batch_latency)"
             )
-    return StreamInput(
+    if kind == "map":
+        acks = callable(getattr(dataset, "ack", None))
+        workers = isinstance(num_workers, int) and num_workers > 0
+        if fetch_in is None:
+            fetch_in = "workers" if workers and not acks else "loop"
+        if fetch_in == "workers":
+            if not workers:
+                raise ValueError(
+                    "fetch_in='workers' needs num_workers > 0 (each worker fetches); with "
+                    "num_workers=0 the dataset is fetched on this event loop (fetch_in='loop')"
+                )
+            if acks:
+                raise ValueError(
+                    f"{type(dataset).__name__} has ack(): acknowledged samples are read on this "
+                    "event loop, so use fetch_in='loop'"
+                )
+            ensure_picklable(dataset, _dumps)
+            concurrency = int(source_concurrency)  # type: ignore[call-overload]
+            return None, InWorkers(dataset, policy, concurrency, transform)
+    stream = StreamInput(
         dataset,
         kind,
         max_batch_latency=latency,
         source_concurrency=int(source_concurrency),  # type: ignore[call-overload]
         batch_size=batch_size,
         transformed=transform is not None,
+        policy=policy,
     )
+    return stream, None
+
+
+def _dumps(obj: object) -> bytes:
+    """Pickled as the workers' payload is: by reference where it can be, else by value."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        import cloudpickle  # type: ignore[import-untyped, unused-ignore]
+
+        return cloudpickle.dumps(obj)  # type: ignore[no-any-return]
 
 
 def _require_asyncio() -> None:

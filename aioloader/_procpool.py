@@ -61,6 +61,8 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from . import _ahead
+
 __all__ = ("Executor", "close_pipes", "kill_executors", "quiet_fork_warning", "release_semaphores")
 
 
@@ -607,6 +609,8 @@ class _LaneCallQueue(_private._SafeQueue):  # type: ignore[misc]
         lane_in, lane_out = self.lane_in, self.lane_out
         if lane_in is None or lane_out is None or not block or timeout is not None:
             return super().get(block, timeout)
+        if _ahead.start is not None:
+            return self._get_ahead(lane_out)
         poller = select.poll()
         lane_fd = lane_in.fileno()
         poller.register(self._reader.fileno(), select.POLLIN)
@@ -623,20 +627,70 @@ class _LaneCallQueue(_private._SafeQueue):  # type: ignore[misc]
             _run_lane_task(data, lane_out)
             del data
 
+    def _get_ahead(self, lane_out: Connection) -> Any:
+        """``get()`` for a worker whose dataset fetches asynchronously: every lane task is read
+        as soon as it arrives and shown to ``_ahead.start`` (its requests begin), then run in
+        order; while one waits for its requests, ``_ahead.wait`` reads on (see ``_ahead``)."""
+        pending: collections.deque[tuple[bytes, Any]] = collections.deque()
 
-def _run_lane_task(data: bytes, lane_out: Connection) -> None:
+        def read() -> int:
+            lane_in = self.lane_in
+            while lane_in is not None and lane_in.poll(0):
+                try:
+                    data = lane_in.recv_bytes()
+                except EOFError:  # every copy of the loop's end is closed
+                    self.lane_in = lane_in = None
+                    break
+                try:
+                    task = pickle.loads(memoryview(data)[_WORK_ID.size :])
+                except BaseException:
+                    task = None  # _run_lane_task reports the error
+                else:
+                    start = _ahead.start
+                    if start is not None:
+                        with contextlib.suppress(Exception):  # the task itself reports errors
+                            start(*task)
+                pending.append((data, task))
+            return -1 if lane_in is None else lane_in.fileno()
+
+        _ahead.reader = read
+        try:
+            poller = select.poll()
+            poller.register(self._reader.fileno(), select.POLLIN)
+            while True:
+                if pending:
+                    data, task = pending.popleft()
+                    _run_lane_task(data, lane_out, task)
+                    del data, task
+                    continue
+                lane_fd = read()
+                if pending:
+                    continue
+                if lane_fd < 0:
+                    return super().get(True)
+                poller.register(lane_fd, select.POLLIN)
+                ready = {fd for fd, _ in poller.poll()}
+                poller.unregister(lane_fd)
+                if lane_fd not in ready:
+                    return super().get(True)
+        finally:
+            _ahead.reader = None
+
+
+def _run_lane_task(data: bytes, lane_out: Connection, task: Any = None) -> None:
     """Run one lane task and send its result back, or the exception it raised (an exception
-    that cannot be pickled is replaced by the pickling error, as the executor does)."""
+    that cannot be pickled is replaced by the pickling error, as the executor does).
+    ``task``: its ``(fn, args)`` where the frame was already unpickled."""
     work_id = data[: _WORK_ID.size]
     if _WORK_ID.unpack(work_id)[0] == _POST_ID:
         with contextlib.suppress(Exception):  # a post reports nothing (see Lane.post)
-            fn, args = pickle.loads(memoryview(data)[_WORK_ID.size :])
+            fn, args = task or pickle.loads(memoryview(data)[_WORK_ID.size :])
             fn(*args)
         return
     result: Any = None
     exc: Any = None
     try:
-        fn, args = pickle.loads(memoryview(data)[_WORK_ID.size :])
+        fn, args = task or pickle.loads(memoryview(data)[_WORK_ID.size :])
         result = fn(*args)
     except BaseException as e:
         exc = _private._ExceptionWithTraceback(e, e.__traceback__)

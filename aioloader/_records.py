@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from ._remote import FetchPolicy
 from ._worker import Extra
 
 if TYPE_CHECKING:
@@ -72,8 +73,11 @@ class StreamInput:
         source_concurrency: int,
         batch_size: int | None,
         transformed: bool = False,
+        policy: FetchPolicy | None = None,
     ) -> None:
         self.source = source
+        #: How an async map-style dataset's calls are made (timeouts, retries, hedging).
+        self.policy = policy if policy is not None else FetchPolicy()
         #: A ``transform`` runs per sample in the workers: worth starting on a window early.
         self.transformed = transformed
         self.kind = kind

@@ -6,9 +6,11 @@ Replaces the index scheduler (``_scheduler``) when the dataset is an *async sour
   task drains it into a buffer of ``batch_size`` samples; a window closes when it holds
   ``batch_size`` samples or when ``max_batch_latency`` seconds have passed since its first sample
   arrived, whichever comes first;
-* an **async map-style dataset** (``async def __getitem__`` or ``__getitems__``): the sampler's
-  index batches are fetched on the loop, at most ``source_concurrency`` calls at a time, several
-  batches ahead.
+* an **async map-style dataset** (``async def __getitem__`` or ``__getitems__``) with
+  ``fetch_in="loop"``: the sampler's index batches are fetched on the loop, at most
+  ``source_concurrency`` calls at a time, several batches ahead, under the loader's
+  ``FetchPolicy`` (see ``_remote``). With ``fetch_in="workers"`` such a dataset takes the index
+  path instead and each worker fetches (``_remote.WorkerFetcher``).
 
 Each closed window becomes one :class:`~aioloader._worker.Samples` task with the next ``send_idx``,
 so ordering, the in-flight bound, crash recovery and the consumer are the index path's own; the
@@ -39,6 +41,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from ._records import Failure, Flight, StreamInput
+from ._remote import SampleFetcher
 from ._resume import batch_seed
 from ._sampling import IndexStream
 from ._scheduler import SubmitSide
@@ -368,7 +371,8 @@ async def _run_map(epoch: StreamSide, stream: StreamInput) -> None:
     indices_stream = IndexStream(
         epoch.plan.index_sampler, batch_sampler=epoch.plan.batch_sampler_given
     )
-    calls = asyncio.Semaphore(stream.source_concurrency)
+    # One per epoch: the dataset's client (``__aenter__``) lives as long as the epoch's reads.
+    fetcher = SampleFetcher(stream.source, stream.policy, stream.source_concurrency)
     loop = asyncio.get_running_loop()
     fetches: set[asyncio.Task[None]] = set()
     send_idx = 0
@@ -388,7 +392,7 @@ async def _run_map(epoch: StreamSide, stream: StreamInput) -> None:
                 break
             task = start_task(
                 loop,
-                _fetch_and_submit(epoch, stream, send_idx, indices, wid, calls),
+                _fetch_and_submit(epoch, stream, send_idx, indices, wid, fetcher),
                 name=f"aioloader-source-fetch:{send_idx}",
             )
             fetches.add(task)
@@ -403,6 +407,29 @@ async def _run_map(epoch: StreamSide, stream: StreamInput) -> None:
         if fetches:
             with contextlib.suppress(BaseException):
                 await asyncio.wait(list(fetches))
+        await _close_source(fetcher)
+
+
+async def _close_source(fetcher: SampleFetcher) -> None:
+    """Leave the dataset's async context (its client closes), even in a cancelled task."""
+    closing = asyncio.ensure_future(fetcher.close())
+    try:
+        await asyncio.wait({closing}, timeout=SOURCE_STOP_S)
+    except asyncio.CancelledError:  # asyncio.run() ending: give it the same bound, then go
+        await asyncio.wait({closing}, timeout=SOURCE_STOP_S)
+        raise
+    finally:
+        if not closing.done():
+            closing.cancel()
+            _logger.warning(
+                "aioloader: the dataset's __aexit__ did not return in %ss", SOURCE_STOP_S
+            )
+        elif not closing.cancelled() and closing.exception() is not None:
+            warnings.warn(
+                f"aioloader: the dataset's __aexit__ raised {closing.exception()!r}",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
 
 async def _fetch_and_submit(
@@ -411,10 +438,10 @@ async def _fetch_and_submit(
     send_idx: int,
     indices: Any,
     wid: int | None,
-    calls: asyncio.Semaphore,
+    fetcher: SampleFetcher,
 ) -> None:
     try:
-        samples = await _fetch(stream.source, indices, stream.batch_size is not None, calls)
+        samples = Samples(await fetcher.samples(indices, stream.batch_size is not None))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # __getitem__ raised: at this batch's position, as in torch
@@ -428,24 +455,3 @@ async def _fetch_and_submit(
     if epoch.terminal:
         return
     _submit(epoch, send_idx, samples, wid)
-
-
-async def _fetch(dataset: Any, indices: Any, batched: bool, calls: asyncio.Semaphore) -> Samples:
-    if not batched:
-        async with calls:
-            return Samples([await dataset[indices]])
-    getitems = getattr(dataset, "__getitems__", None)
-    if getitems is not None and inspect.iscoroutinefunction(getitems):
-        async with calls:
-            return Samples(await getitems(list(indices)))
-
-    async def one(idx: Any) -> Any:
-        async with calls:
-            return await dataset[idx]
-
-    tasks = [asyncio.ensure_future(one(idx)) for idx in indices]
-    try:
-        return Samples(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:  # one failed: the others are not needed any more
-            task.cancel()

@@ -37,10 +37,10 @@ from torch.utils.data import IterDataPipe, _DatasetKind, graph_settings
 from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import worker as torch_worker
 
-from . import _worker
+from . import _remote, _worker
 from ._backend import Backend, Direct
 from ._executor import CrashReport
-from ._threads import JOIN_BOUND_S, release_threads
+from ._threads import JOIN_BOUND_S, release_threads, run_off_loop
 
 __all__ = ("ThreadWorkers", "install_thread_info")
 
@@ -150,6 +150,14 @@ class ThreadWorkers:
     ) -> None:
         install_thread_info()
         self.num_workers = num_workers
+        # fetch_in="workers": one event loop thread fetches for all worker threads (they share
+        # the dataset, and so its client); each thread collates its own batches.
+        self._remote: _remote.WorkerFetcher | None = None
+        if isinstance(dataset, _remote.InWorkers):
+            spec, dataset = dataset, dataset.dataset
+            if collate_fn is torch_collate.default_collate:
+                collate_fn = _default_collate_in_thread
+            self._remote = _remote.WorkerFetcher(spec, auto_collation, collate_fn)
         self._dataset = dataset
         self._rank = rank
         self._world_size = world_size
@@ -256,6 +264,8 @@ class ThreadWorkers:
         data: object
         saved: Any = None
         try:
+            if self._remote is not None:
+                state.fetcher = self._remote
             if state.fetcher is None or (iterable and state.epoch != epoch):
                 # Iterables: a fresh iterator per epoch, as torch (and process workers) do.
                 state.epoch = epoch
@@ -302,6 +312,8 @@ class ThreadWorkers:
     async def shutdown(self, *, graceful: bool) -> None:
         """Drop queued batches and join the threads (a stuck call is waited for only a moment)."""
         await release_threads(self._executors, 'worker (executor="thread")', self._join_bound_s)
+        if self._remote is not None:
+            await run_off_loop(self._remote.close, name="aioloader-io-close")
 
     def abandon_stuck_calls(self) -> None:
         """The epoch timed out: calls still running at shutdown are waited for only a moment."""
@@ -312,6 +324,8 @@ class ThreadWorkers:
         # call it is in returns.
         for ex in self._executors:
             ex.shutdown(wait=False, cancel_futures=True)
+        if self._remote is not None:
+            self._remote.close(timeout=0)  # waits for nothing: its thread ends on its own
 
     def kill_at_exit(self) -> None:
         self.kill_sync()  # starts nothing, waits for nothing

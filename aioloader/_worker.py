@@ -30,6 +30,7 @@ import time
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing import util as mp_util
 from typing import Any, NamedTuple
 
 import torch
@@ -39,7 +40,7 @@ from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 
-from . import _transport
+from . import _ahead, _remote, _transport
 
 try:
     # Imported with this module, in the main process, so that forked workers inherit it: every
@@ -794,6 +795,9 @@ def setup(
     _state.spec = spec
     try:
         dataset, collate_fn, worker_init_fn = objects()
+        remote: _remote.InWorkers | None = None
+        if isinstance(dataset, _remote.InWorkers):  # fetch_in="workers": an async dataset
+            remote, dataset = dataset, dataset.dataset
         seed = spec.base_seed + worker_id
         random.seed(seed)
         manual_seed(seed)
@@ -820,18 +824,37 @@ def setup(
                 worker_id * spec.world_size + spec.rank,
             )
         _state.streamed = (
-            not spec.is_iterable
+            remote is None
+            and not spec.is_iterable
             and spec.auto_collation
             and collate_fn is _default_collate_small_inline
         )
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
-        if not spec.is_iterable:
+        if remote is not None:
+            fetcher = _remote.WorkerFetcher(remote, spec.auto_collation, collate_fn)
+            _state.fetcher = fetcher
+            # Closes the dataset's client when the worker exits normally (a killed worker's
+            # sockets are closed by the kernel).
+            mp_util.Finalize(fetcher, fetcher.close, exitpriority=10)
+            _ahead.start = _look_ahead
+        elif not spec.is_iterable:
             _state.fetcher = make_fetcher(
                 False, dataset, spec.auto_collation, collate_fn, spec.drop_last
             )
     except BaseException:  # SystemExit from user code too: this process must live on
         _state.init_error = RemoteError.capture(f"in DataLoader worker process {worker_id}")
+
+
+def _look_ahead(fn: Any, args: tuple[Any, ...]) -> None:
+    """Begin the requests of a batch task as soon as the worker reads it (see ``_ahead``)."""
+    fetcher = _state.fetcher
+    if fn is not fetch or type(fetcher) is not _remote.WorkerFetcher or _state.init_error:
+        return
+    send_idx, indices, epoch = args
+    if type(indices) is Extra:
+        indices = indices.indices
+    fetcher.start((epoch, send_idx), indices)
 
 
 def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
@@ -890,6 +913,8 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
             state = capture_state(_state.fetcher, _state.dataset)
         elif isinstance(indices, Samples):
             batch = _state.dataset.collate(indices, _state.collate_fn, spec.auto_collation)
+        elif type(_state.fetcher) is _remote.WorkerFetcher:
+            batch = _state.fetcher.fetch(indices, (epoch, send_idx))
         elif _streams(indices):
             batch = fetch_streamed(_state.dataset, indices)
         else:

@@ -1,0 +1,500 @@
+"""Reading an async map-style dataset: requests in flight, timeouts, retries, hedging, clients.
+
+Runs in: the consumer's event loop (``fetch_in="loop"``: :class:`SampleFetcher` is used by
+``_stream``), or a worker (``fetch_in="workers"``: :class:`WorkerFetcher` runs a
+:class:`SampleFetcher` on an event loop thread of the worker's own, and collates there).
+
+One *request* is one call of the dataset's ``async def __getitem__`` (or of its
+``async def __getitems__``, for a whole batch). The loader cannot see inside it, so what it
+adds is what a client library cannot know: which index of which batch failed, how many calls
+run at once across the batches of a worker, a second call for a straggling sample (hedging),
+and when the dataset's client opens and closes (``__aenter__``/``__aexit__``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import errno
+import inspect
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _ahead
+
+__all__ = (
+    "FetchPolicy",
+    "InWorkers",
+    "SampleFetcher",
+    "WorkerFetcher",
+    "check_policy",
+    "is_transient",
+)
+
+#: HTTP statuses that say "try again": timeout, too early, throttled, server errors.
+_TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+#: S3/botocore error codes of throttling and server-side trouble.
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
+_TRANSIENT_ERRNO = frozenset(
+    {
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.EPIPE,
+        errno.ETIMEDOUT,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+    }
+)
+#: Connection-level errors of aiohttp, httpx and botocore, by class name so that none of them
+#: has to be imported (each is optional).
+_TRANSIENT_NAMES = frozenset(
+    {
+        "ClientConnectionError",  # aiohttp: refused, reset, server disconnected
+        "ClientPayloadError",  # aiohttp: the body broke off
+        "ServerDisconnectedError",
+        "TransportError",  # httpx: ConnectError, ReadError, timeouts, protocol errors
+        "EndpointConnectionError",  # botocore
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ResponseStreamingError",
+    }
+)
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries, where it carries one (aiohttp, httpx, botocore,
+    urllib)."""
+    for attr in ("status", "status_code", "code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+            return value
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        meta = response.get("ResponseMetadata")
+        value = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
+        return value if isinstance(value, int) else None
+    for attr in ("status_code", "status"):
+        value = getattr(response, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed request is worth repeating: a timeout, a refused or reset connection, a
+    5xx or 429 status (S3's 503 SlowDown included). A 4xx (404 missing key, 403 denied) and any
+    error from the dataset's own code are not.
+    """
+    if not isinstance(exc, Exception):
+        return False
+    if isinstance(exc, TimeoutError):  # asyncio.TimeoutError is TimeoutError too
+        return True
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        error = response.get("Error")
+        if isinstance(error, dict) and error.get("Code") in _TRANSIENT_CODES:
+            return True
+    status = _status(exc)
+    if status is not None:
+        return status in _TRANSIENT_STATUS or status >= 500
+    if isinstance(exc, ConnectionError):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO:
+        return True
+    return any(cls.__name__ in _TRANSIENT_NAMES for cls in type(exc).__mro__)
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    """How the loader calls an async dataset's ``__getitem__`` (one call is one request).
+
+    Attributes:
+        timeout: Seconds one call may take; a slower call is cancelled and counts as a
+            transient failure (``TimeoutError``). ``None``: no limit (the client's own applies).
+        retries: How often a call that failed transiently (:attr:`retry_on`) is repeated before
+            its error is raised at its batch's position, naming the index. 0: never.
+        backoff: Seconds before the first repeat; each next repeat waits twice as long, up to
+            :attr:`max_backoff`, with full jitter (a random fraction of that wait).
+        max_backoff: The longest wait between two attempts.
+        retry_on: Whether an exception is transient. Default: :func:`is_transient`.
+        hedge: ``None`` (off), or a quantile in ``[0.5, 1)``: a call still running after that
+            quantile of the recent calls' durations gets a second, identical call; the first
+            answer wins and the other call is cancelled. ``__getitem__`` calls only.
+        hedge_min_calls: Calls that must have completed before hedging starts.
+    """
+
+    timeout: float | None = None
+    retries: int = 3
+    backoff: float = 0.1
+    max_backoff: float = 5.0
+    retry_on: Callable[[BaseException], bool] = field(default=is_transient)
+    hedge: float | None = None
+    hedge_min_calls: int = 50
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before repeat number ``attempt`` (1 for the first)."""
+        return random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+
+
+def check_policy(policy: object) -> FetchPolicy:
+    """``policy`` validated; ``None`` gives the defaults. Raises naming the field at fault."""
+    if policy is None:
+        return FetchPolicy()
+    if not isinstance(policy, FetchPolicy):
+        raise TypeError(f"fetch_policy should be an aioloader.FetchPolicy, got {policy!r}")
+
+    def number(name: str, value: object, low: float, low_ok: bool) -> None:
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or (value < low if low_ok else value <= low)
+        ):
+            raise ValueError(
+                f"FetchPolicy.{name} should be a number {'>=' if low_ok else '>'} {low}, "
+                f"got {value!r}"
+            )
+
+    if policy.timeout is not None:
+        number("timeout", policy.timeout, 0, False)
+    if (
+        not isinstance(policy.retries, int)
+        or isinstance(policy.retries, bool)
+        or policy.retries < 0
+    ):
+        raise ValueError(f"FetchPolicy.retries should be an int >= 0, got {policy.retries!r}")
+    number("backoff", policy.backoff, 0, True)
+    number("max_backoff", policy.max_backoff, 0, True)
+    if not callable(policy.retry_on):
+        raise TypeError(f"FetchPolicy.retry_on should be a callable, got {policy.retry_on!r}")
+    if policy.hedge is not None:
+        number("hedge", policy.hedge, 0.5, True)
+        if policy.hedge >= 1:
+            raise ValueError(
+                f"FetchPolicy.hedge should be a quantile in [0.5, 1) (0.99: hedge the slowest "
+                f"1 % of calls), or None, got {policy.hedge!r}"
+            )
+    if not isinstance(policy.hedge_min_calls, int) or policy.hedge_min_calls < 1:
+        raise ValueError(
+            f"FetchPolicy.hedge_min_calls should be a positive int, got {policy.hedge_min_calls!r}"
+        )
+    return policy
+
+
+class _Latency:
+    """Durations of the recent successful calls; their quantile, recomputed every few calls."""
+
+    def __init__(self, size: int = 512, every: int = 16) -> None:
+        self._recent: collections.deque[float] = collections.deque(maxlen=size)
+        self._every = every
+        self._since = 0
+        self._cache: dict[float, float] = {}
+
+    def add(self, seconds: float) -> None:
+        self._recent.append(seconds)
+        self._since += 1
+        if self._since >= self._every:
+            self._since = 0
+            self._cache.clear()
+
+    def quantile(self, q: float, min_calls: int) -> float | None:
+        if len(self._recent) < min_calls:
+            return None
+        value = self._cache.get(q)
+        if value is None:
+            ordered = sorted(self._recent)
+            value = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+            self._cache[q] = value
+        return value
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # A cancelled loser may still have failed first: its error was not what decided the call.
+    if not task.cancelled():
+        task.exception()
+
+
+class SampleFetcher:
+    """Calls an async dataset with at most ``concurrency`` calls in flight and ``policy``.
+
+    One per event loop. The dataset's ``__aenter__`` runs before its first call on this loop
+    and its ``__aexit__`` in :meth:`close`; a dataset without them is called as it is.
+    """
+
+    def __init__(self, dataset: Any, policy: FetchPolicy, concurrency: int) -> None:
+        self.dataset = dataset
+        self.policy = policy
+        self._calls = asyncio.Semaphore(concurrency)
+        self._latency = _Latency()
+        self._entered = False
+        self._enter_lock = asyncio.Lock()
+        #: Counts since this fetcher was made (read for stats and tests).
+        self.requests = 0
+        self.retried = 0
+        self.hedged = 0
+        getitems = getattr(dataset, "__getitems__", None)
+        self._getitems = getitems if inspect.iscoroutinefunction(getitems) else None
+
+    async def open(self) -> None:
+        """Enter the dataset's async context once (its client opens here)."""
+        if self._entered or not hasattr(type(self.dataset), "__aenter__"):
+            return
+        async with self._enter_lock:
+            if not self._entered:
+                await self.dataset.__aenter__()
+                self._entered = True
+
+    async def close(self) -> None:
+        """Leave the dataset's async context if it was entered (its client closes here)."""
+        if self._entered:
+            self._entered = False
+            await self.dataset.__aexit__(None, None, None)
+
+    async def samples(self, indices: Any, batched: bool) -> list[Any]:
+        """The samples of one batch (``batched``) or the one sample of ``indices``, in order."""
+        await self.open()
+        if not batched:
+            return [await self._with_retries(indices, self._hedged, indices)]
+        if self._getitems is not None:
+            getitems = self._getitems
+            what = list(indices)
+            return list(
+                await self._with_retries(what, lambda _: self._attempt(getitems, what), what)
+            )
+        tasks = [
+            asyncio.ensure_future(self._with_retries(idx, self._hedged, idx)) for idx in indices
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # one failed: the others are not needed any more
+                task.cancel()
+
+    async def _with_retries(self, key: Any, call: Callable[[Any], Any], arg: Any) -> Any:
+        policy = self.policy
+        attempt = 0
+        while True:
+            try:
+                async with self._calls:
+                    return await call(arg)
+            except Exception as exc:
+                transient = policy.retry_on(exc)
+                if attempt >= policy.retries or not transient:
+                    what = "indices" if isinstance(key, list) else "index"
+                    tried = f" after {attempt + 1} attempts" if attempt else ""
+                    why = (
+                        "" if transient or policy.retries == 0 else " (not transient: not retried)"
+                    )
+                    exc.add_note(f"aioloader: fetching {what} {key!r} failed{tried}{why}")
+                    raise
+            attempt += 1
+            self.retried += 1
+            await asyncio.sleep(policy.delay(attempt))
+
+    async def _attempt(self, call: Callable[[Any], Any], arg: Any) -> Any:
+        self.requests += 1
+        start = time.monotonic()
+        timeout = self.policy.timeout
+        if timeout is None:
+            result = await call(arg)
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    result = await call(arg)
+            except TimeoutError as exc:
+                exc.add_note(f"aioloader: the call took longer than FetchPolicy.timeout={timeout}s")
+                raise
+        self._latency.add(time.monotonic() - start)
+        return result
+
+    def _getitem(self, idx: Any) -> Any:
+        return self.dataset[idx]
+
+    async def _hedged(self, idx: Any) -> Any:
+        q = self.policy.hedge
+        after = None if q is None else self._latency.quantile(q, self.policy.hedge_min_calls)
+        if after is None:
+            return await self._attempt(self._getitem, idx)
+        tasks = {asyncio.ensure_future(self._attempt(self._getitem, idx))}
+        first = next(iter(tasks))
+        try:
+            done, _ = await asyncio.wait(tasks, timeout=after)
+            if not done:
+                self.hedged += 1
+                tasks.add(asyncio.ensure_future(self._attempt(self._getitem, idx)))
+            while True:
+                done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        return task.result()
+                if not pending:  # every call failed: the first one's error is the cause
+                    raise first.exception() if first in done else next(iter(done)).exception()  # type: ignore[misc]
+                tasks = pending
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+                    task.add_done_callback(_retrieve)
+
+
+@dataclass(frozen=True)
+class InWorkers:
+    """What the workers are sent for ``fetch_in="workers"``: the async dataset and how to call
+    it. A worker unwraps it: ``get_worker_info().dataset`` is the dataset itself."""
+
+    dataset: Any
+    policy: FetchPolicy
+    concurrency: int
+    transform: Callable[[Any], Any] | None
+
+
+class WorkerFetcher:
+    """torch's map-style fetcher, for an async dataset: ``fetch(indices)`` returns the batch.
+
+    Runs in: a worker (a process, or the thread backend's threads together). The requests run
+    on an event loop thread of this fetcher's own (``aioloader-io``), so that they overlap
+    across the batches the worker has been sent: :meth:`start` begins a batch's requests as
+    soon as its task is read (see ``_ahead``), and :meth:`fetch` collects them, applies the
+    ``transform`` to each sample and collates, on the calling thread, in batch order (so seeds
+    and ``get_worker_info()`` hold for them as for a sync dataset).
+    """
+
+    def __init__(
+        self, spec: InWorkers, auto_collation: bool, collate_fn: Callable[[Any], Any]
+    ) -> None:
+        self._auto_collation = auto_collation
+        self._collate_fn = collate_fn
+        self._transform = spec.transform
+        self._fetcher = SampleFetcher(spec.dataset, spec.policy, spec.concurrency)
+        self._ahead: dict[Any, concurrent.futures.Future[list[Any]]] = {}
+        self._lock = threading.Lock()
+        # Written (one byte) when any batch's requests finish: a worker waiting for one batch
+        # also reads its next tasks meanwhile (see _ahead.wait).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="aioloader-io", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _wake(self, _fut: object) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            os.write(self._wake_w, b"\0")
+
+    def _submit(self, indices: Any) -> concurrent.futures.Future[list[Any]]:
+        fut = asyncio.run_coroutine_threadsafe(
+            self._fetcher.samples(indices, self._auto_collation), self._loop
+        )
+        fut.add_done_callback(self._wake)
+        return fut
+
+    def start(self, key: Any, indices: Any) -> None:
+        """Begin the requests of the batch ``key`` now; :meth:`fetch` collects them."""
+        with self._lock:
+            if key not in self._ahead and not self._closed:
+                self._ahead[key] = self._submit(indices)
+
+    def fetch(self, indices: Any, key: Any = None) -> Any:
+        """The collated batch of ``indices``. Raises what the dataset or ``collate_fn`` raised."""
+        with self._lock:
+            fut = self._ahead.pop(key, None) if key is not None else None
+            if fut is None:
+                fut = self._submit(indices)
+        if not fut.done():
+            _ahead.wait(fut, self._wake_r)
+        samples = fut.result()
+        if self._transform is not None:
+            samples = [self._transform(sample) for sample in samples]
+        if self._auto_collation:
+            return self._collate_fn(samples)
+        return self._collate_fn(samples[0])
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the dataset's client (``__aexit__``), stop the event loop thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ahead, self._ahead = list(self._ahead.values()), {}
+        for fut in ahead:
+            fut.cancel()
+        if timeout <= 0:  # nothing may wait: stop the loop where it stands
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            return
+        if self._thread.is_alive():
+            done = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+            with contextlib.suppress(Exception):
+                done.result(timeout)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._loop.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    async def _shutdown(self) -> None:
+        this = asyncio.current_task()
+        others = [t for t in asyncio.all_tasks() if t is not this]
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=1.0)
+        try:
+            await asyncio.wait_for(self._fetcher.close(), 3.0)
+        finally:
+            await self._loop.shutdown_asyncgens()
+
+
+def ensure_picklable(dataset: Any, dumps: Callable[[Any], bytes]) -> None:
+    """Raise a clear ``TypeError`` if the workers cannot be sent ``dataset``."""
+    try:
+        dumps(dataset)
+    except Exception as exc:
+        raise TypeError(
+            f"fetch_in='workers' sends the dataset to every worker, and "
+            f"{type(dataset).__name__} cannot be pickled ({type(exc).__name__}: {exc}). A "
+            "client (an aiohttp or httpx session, an S3 client) made in __init__ is bound to "
+            "this process and its event loop: make it in `async def __aenter__(self)` and close "
+            "it in `async def __aexit__(self, *exc)` instead; the loader enters the dataset "
+            "once in each worker's event loop and exits it when the worker ends. Or pass "
+            "fetch_in='loop' to keep the dataset in this process."
+        ) from exc
+
+
+def short(indices: Sequence[Any]) -> str:
+    """Indices for a message, cut after a few."""
+    items = list(indices)
+    return repr(items) if len(items) <= 8 else repr(items[:8])[:-1] + ", ...]"
