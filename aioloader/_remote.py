@@ -413,11 +413,41 @@ class WorkerFetcher:
             os.write(self._wake_w, b"\0")
 
     def _submit(self, indices: Any) -> concurrent.futures.Future[list[Any]]:
-        fut = asyncio.run_coroutine_threadsafe(
-            self._fetcher.samples(indices, self._auto_collation), self._loop
-        )
+        # Not run_coroutine_threadsafe: it replaces a TimeoutError by a new one, without the
+        # traceback and the notes that say which index timed out.
+        fut: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+
+        def settle(task: asyncio.Task[list[Any]]) -> None:
+            if task.cancelled():
+                fut.set_exception(concurrent.futures.CancelledError())
+            elif (exc := task.exception()) is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(task.result())
+
+        def begin() -> None:
+            if fut.set_running_or_notify_cancel():
+                self._loop.create_task(self._guarded(indices)).add_done_callback(settle)
+
+        self._loop.call_soon_threadsafe(begin)
         fut.add_done_callback(self._wake)
         return fut
+
+    async def _guarded(self, indices: Any) -> list[Any]:
+        try:
+            return await self._fetcher.samples(indices, self._auto_collation)
+        except Exception:
+            raise
+        except BaseException as exc:
+            task = asyncio.current_task()
+            if not isinstance(exc, asyncio.CancelledError) or (task and task.cancelling()):
+                raise  # SystemExit, KeyboardInterrupt, or this fetcher closing
+            # The dataset's own CancelledError: through the future it would read as a
+            # cancellation, with the dataset's traceback lost.
+            raise RuntimeError(
+                f"{type(self._fetcher.dataset).__name__}'s async __getitem__ raised "
+                "CancelledError without being cancelled; raise an Exception subclass instead"
+            ) from exc
 
     def start(self, key: Any, indices: Any) -> None:
         """Begin the requests of the batch ``key`` now; :meth:`fetch` collects them."""

@@ -81,22 +81,32 @@ async def test_transform_runs_in_the_workers(num_workers: int, ctx: str | None) 
         assert not any(bool(m) for b in got for m in b["main_thread"])
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-async def test_async_map_dataset_matches_torch_on_the_sync_twin(num_workers: int) -> None:
+@pytest.mark.parametrize(("num_workers", "fetch_in"), [(0, "loop"), (2, "loop"), (2, "workers")])
+async def test_async_map_dataset_matches_torch_on_the_sync_twin(
+    num_workers: int, fetch_in: str
+) -> None:
     ds = ss.AsyncMap(50)
     kwargs: dict[str, Any] = {"batch_size": 7, "shuffle": True, "num_workers": num_workers}
     async with AsyncDataLoader(
-        ds, generator=torch.Generator().manual_seed(3), source_concurrency=3, **kwargs
+        ds,
+        generator=torch.Generator().manual_seed(3),
+        source_concurrency=3,
+        fetch_in=fetch_in,  # type: ignore[arg-type]
+        **kwargs,
     ) as loader:
+        assert loader.fetch_in == fetch_in
         got = values(await collect(loader))
     want = torch_batches(ss.SyncRange(50), generator=torch.Generator().manual_seed(3), **kwargs)
     assert got == values(want)
-    assert 1 < ds.max_running <= 3
+    if fetch_in == "loop":
+        assert 1 < ds.max_running <= 3
+    else:  # fetched by the workers' copies: this process's dataset is never called
+        assert ds.max_running == 0
 
 
 async def test_async_getitems_is_preferred() -> None:
     ds = ss.AsyncMapBatched(20)
-    async with AsyncDataLoader(ds, batch_size=6, num_workers=1) as loader:
+    async with AsyncDataLoader(ds, batch_size=6, num_workers=1, fetch_in="loop") as loader:
         got = values(await collect(loader))
     assert flat(got) == list(range(20))
     assert ds.batched_calls == 4

@@ -68,18 +68,25 @@ async def test_a_source_raising_a_base_exception_is_an_error_at_its_position(
     assert isinstance(err.__cause__, type(make(kind)))
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("num_workers", "fetch_in"), [(0, "loop"), (2, "loop"), (2, "workers")])
 @pytest.mark.parametrize("kind", ["cancelled", "custom", "stop"])
 async def test_an_async_getitem_raising_what_except_exception_misses_is_an_error(
-    kind: str, num_workers: int
+    kind: str, num_workers: int, fetch_in: Any
 ) -> None:
     exc = StopAsyncIteration() if kind == "stop" else make(kind)
-    loader = AsyncDataLoader(MapSource(exc), batch_size=2, num_workers=num_workers)
+    loader = AsyncDataLoader(
+        MapSource(exc), batch_size=2, num_workers=num_workers, fetch_in=fetch_in
+    )
     got, err = await _drain(loader)
     # The batch holding sample 4 fails; torch goes on after a failed batch, and so do we.
     assert got == [[0, 1], [2, 3]]
-    assert err is not None and "MapSource's async __getitem__ raised" in str(err), err
-    assert isinstance(err.__cause__, type(exc))
+    assert err is not None
+    if fetch_in == "loop":
+        assert "MapSource's async __getitem__ raised" in str(err), err
+        assert isinstance(err.__cause__, type(exc))
+    else:  # raised in a worker: reported as torch reports a worker's error
+        assert "in DataLoader worker process" in str(err), err
+        assert type(exc).__name__ in str(err)
 
 
 async def test_an_ack_raising_stop_async_iteration_does_not_end_the_epoch_silently() -> None:
