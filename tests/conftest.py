@@ -397,3 +397,69 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Ray tests last: once Ray is connected it keeps threads and sockets of its own in this
     # process, which no other test's leak check should have to tell from the loader's.
     items.sort(key=on_ray)  # stable: the order is otherwise unchanged
+
+
+# --------------------------------------------------------------------------------------------
+# Remote data: a real HTTP object store and a real S3 server (tests/remote_servers.py), each in
+# a process of its own, stopped after and checked gone (no process, nothing on its port).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def http_store() -> Iterator[Any]:
+    """The shared HTTP object store: 256 raw objects of 10 KB, no latency, no errors. Tests
+    must not change its settings or kill it: :func:`make_http_store` starts a store of their own."""
+    from aioloader.benchmark._store import start_store
+    from tests.remote_servers import assert_gone
+
+    with start_store(size=10_000, count=256) as store:
+        pid, port = store.pid, store.port
+        with session_server(pid):
+            yield store
+    assert_gone(pid, port)
+
+
+@pytest.fixture
+def make_http_store() -> Iterator[Callable[..., Any]]:
+    """``make_http_store(**StoreConfig settings)``: a store for this test alone, stopped after it
+    (killed and restarted ones included)."""
+    from aioloader.benchmark._store import HttpStore, StoreConfig
+    from tests.remote_servers import assert_gone, port_open
+
+    stores: list[Any] = []
+
+    def make(**settings: Any) -> Any:
+        store = HttpStore(StoreConfig(**settings))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        pid = store.proc.pid if store.proc is not None else None
+        store.stop()
+        if pid is not None:
+            assert_gone(pid, store.port)
+        else:  # killed and not restarted
+            assert not port_open(store.port), f"port {store.port} answers after a kill"
+
+
+@pytest.fixture(scope="session")
+def s3_store() -> Iterator[Any]:
+    """moto's S3 server (``moto[server]``) with bucket ``aioloader-test``: 64 objects of 10 KB
+    at keys ``00000000``..``00000063``, bytes as the HTTP store's raw objects."""
+    pytest.importorskip("moto.server", reason="pip install 'moto[server]' (the dev extra)")
+    from tests.remote_servers import MotoS3, assert_gone
+
+    server = MotoS3(count=64, size=10_000)
+    try:
+        # obstore's Rust runtime (its threads and epoll fds) starts at its first request and
+        # lives as long as the process: start it here, before any test takes its baseline.
+        with contextlib.suppress(ImportError):
+            import obstore
+
+            obstore.get(server.obstore(), "00000000").bytes()
+        with session_server(server.pid):
+            yield server
+    finally:
+        server.stop()
+    assert_gone(server.pid, server.port)
