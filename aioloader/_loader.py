@@ -503,9 +503,17 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             )
         torch_loader = self._torch
         promised = torch_loader._IterableDataset_len_called if self._is_iterable else None
+        in_flight = prefetch * workers if prefetch is not None and workers > 0 else 1
+        stream = self._stream
+        if workers == 0 and stream is not None and stream.kind == "map":
+            # Fetched on this loop, where a batch costs latency, not CPU: enough batches in
+            # flight to keep source_concurrency requests going (one more to cover the gap
+            # while the consumer takes a batch), as a worker's look-ahead does.
+            per_batch = max(1, self.batch_size or 1)
+            in_flight = -(-self.source_concurrency // per_batch) + 1
         return Plan(
             num_workers=workers,
-            max_in_flight=prefetch * workers if prefetch is not None and workers > 0 else 1,
+            max_in_flight=in_flight,
             in_order=bool(self.in_order),
             timeout=timeout,  # as given: torch says "after 1 seconds" for timeout=1
             batch_size=self.batch_size,
