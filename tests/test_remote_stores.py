@@ -5,6 +5,7 @@ dataset's ``__aenter__`` in each worker (or on the loop) and closes in ``__aexit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import psutil
@@ -54,12 +55,10 @@ def _connections_to(port: int) -> int:
     procs = [me, *me.children(recursive=True)]
     count = 0
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             count += sum(
                 1 for c in proc.net_connections("tcp") if c.raddr and c.raddr.port == port
             )
-        except psutil.NoSuchProcess:
-            pass
     return count
 
 
