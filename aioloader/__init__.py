@@ -13,13 +13,14 @@ from ._errors import (
 )
 from ._loader import AsyncDataLoader, AsyncMapDataset
 from ._records import LoaderStats
-from ._remote import FetchPolicy, is_transient
+from ._remote import AsyncIterableDataset, FetchPolicy, is_transient
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AioLoaderError",
     "AsyncDataLoader",
+    "AsyncIterableDataset",
     "AsyncMapDataset",
     "EpochEndedError",
     "FetchPolicy",

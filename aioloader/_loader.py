@@ -278,6 +278,12 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         )
         self._torch = torch_loader
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
+        if remote is not None and self._is_iterable and executor == "thread":
+            raise ValueError(
+                "executor='thread' cannot iterate an IterableDataset's __aiter__ in its workers "
+                "(get_worker_info() is per thread, and the iterator runs on another): use worker "
+                "processes, or fetch_in='loop'"
+            )
         self._is_datapipe = isinstance(torch_loader.dataset, IterDataPipe)
         # Which worker loads a batch decides its random augmentations (each worker's RNG is one
         # stream seeded base_seed + worker_id). In order, batches go to workers round-robin as in
@@ -907,12 +913,14 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
 
     @property
     def fetch_in(self) -> str | None:
-        """Where an async map-style dataset's ``__getitem__`` runs: ``"workers"`` (each worker,
-        on an event loop of its own) or ``"loop"`` (this event loop); None for other datasets.
-        Fixed at construction."""
+        """Where an async map-style dataset's ``__getitem__`` (or an ``IterableDataset``'s
+        ``__aiter__``) runs: ``"workers"`` (each worker, on an event loop of its own) or
+        ``"loop"`` (this event loop); None for other datasets. Fixed at construction."""
         if self._remote is not None:
             return "workers"
-        if self._stream is not None and self._stream.kind == "map":
+        if self._stream is not None and (
+            self._stream.kind == "map" or isinstance(self.dataset, IterableDataset)
+        ):
             return "loop"
         return None
 
@@ -1215,12 +1223,17 @@ def _stream_input(
             "loop of its own), 'loop' (this event loop calls it) or None (the default: 'workers' "
             f"when num_workers > 0), got {fetch_in!r}"
         )
+    is_torch_iterable = kind == "iterable" and isinstance(dataset, IterableDataset)
     if kind != "map":
         for name, value in (("fetch_in", fetch_in), ("fetch_policy", fetch_policy)):
+            if name == "fetch_in" and is_torch_iterable:
+                continue
             if value is not None:
                 raise ValueError(
-                    f"{name} applies to async map-style datasets only (whose __getitem__ or "
-                    f"__getitems__ is async def), and {type(dataset).__name__} is not one"
+                    f"{name} applies to async map-style datasets (whose __getitem__ or "
+                    "__getitems__ is async def)"
+                    + (" and IterableDatasets with __aiter__" if name == "fetch_in" else "")
+                    + f" only, and {type(dataset).__name__} is not one"
                 )
     if kind is None:
         for name, value in (("transform", transform), ("max_batch_latency", latency)):
@@ -1251,6 +1264,33 @@ def _stream_input(
                 "sampler and batch_sampler cannot apply to an async iterable source: it has no "
                 "indices (batches are formed by batch_size and max_batch_latency)"
             )
+    if kind == "iterable" and isinstance(dataset, IterableDataset):
+        # torch's IterableDataset with __aiter__: by default each worker iterates its own
+        # replica (sharded by get_worker_info(), as torch's), on its own event loop.
+        acks = callable(getattr(dataset, "ack", None))
+        workers = isinstance(num_workers, int) and num_workers > 0
+        if fetch_in is None:
+            fetch_in = "workers" if workers and not acks and latency is None else "loop"
+        if fetch_in == "workers":
+            reason = (
+                "needs num_workers > 0"
+                if not workers
+                else "cannot close batches by time (max_batch_latency): only a stream read on "
+                "this loop can"
+                if latency is not None
+                else "cannot acknowledge samples (ack())"
+                if acks
+                else None
+            )
+            if reason is not None:
+                raise ValueError(
+                    f"fetch_in='workers' for {type(dataset).__name__} (an IterableDataset with "
+                    f"__aiter__, iterated in each worker) {reason}; use fetch_in='loop' to read "
+                    "it on this event loop as a stream"
+                )
+            ensure_picklable(dataset, _dumps)
+            concurrency = int(source_concurrency)  # type: ignore[call-overload]
+            return None, InWorkers(dataset, policy, concurrency, transform)
     if kind == "map":
         acks = callable(getattr(dataset, "ack", None))
         workers = isinstance(num_workers, int) and num_workers > 0

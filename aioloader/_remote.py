@@ -24,13 +24,18 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from torch.utils.data import IterableDataset
 
 from . import _ahead
 
+_T_co = TypeVar("_T_co", covariant=True)
+
 __all__ = (
+    "AsyncIterableDataset",
     "FetchPolicy",
     "InWorkers",
     "SampleFetcher",
@@ -449,6 +454,30 @@ class WorkerFetcher:
                 "CancelledError without being cancelled; raise an Exception subclass instead"
             ) from exc
 
+    def run(self, coro: Any) -> Any:
+        """Run ``coro`` on this fetcher's event loop and return its result (the caller waits)."""
+
+        async def guarded() -> Any:
+            await self._fetcher.open()
+            return await coro
+
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def settle(task: asyncio.Task[Any]) -> None:
+            if task.cancelled():
+                fut.set_exception(concurrent.futures.CancelledError())
+            elif (exc := task.exception()) is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(task.result())
+
+        def begin() -> None:
+            if fut.set_running_or_notify_cancel():
+                self._loop.create_task(guarded()).add_done_callback(settle)
+
+        self._loop.call_soon_threadsafe(begin)
+        return fut.result()
+
     def start(self, key: Any, indices: Any) -> None:
         """Begin the requests of the batch ``key`` now; :meth:`fetch` collects them."""
         with self._lock:
@@ -528,3 +557,66 @@ def short(indices: Sequence[Any]) -> str:
     """Indices for a message, cut after a few."""
     items = list(indices)
     return repr(items) if len(items) <= 8 else repr(items[:8])[:-1] + ", ...]"
+
+
+class AsyncIterableDataset(IterableDataset[_T_co]):
+    """An ``IterableDataset`` read asynchronously: define ``async def __aiter__`` (an async
+    generator), for example a reader of shards in an object store.
+
+    With ``num_workers > 0`` each worker iterates its own replica on an event loop of the
+    worker's own, so the iterator's background tasks (the next shard, fetched while this one is
+    read) run while the worker collates; shard the data with ``get_worker_info()`` as for a
+    torch ``IterableDataset``. With ``num_workers=0`` (or ``fetch_in="loop"``) it is read on the
+    consumer's event loop, as a stream. ``async def __aenter__``/``__aexit__`` open and close
+    its client on each of those loops.
+    """
+
+    def __aiter__(self) -> AsyncIterator[_T_co]:
+        raise NotImplementedError(f"{type(self).__name__} must define async def __aiter__")
+
+    def __iter__(self) -> Iterator[_T_co]:
+        raise TypeError(
+            f"{type(self).__name__} is iterated asynchronously (async def __aiter__): read it "
+            "through aioloader.AsyncDataLoader, or with `async for`"
+        )
+
+
+class AsyncIterView:
+    """A worker's view of an ``IterableDataset`` with ``async def __aiter__``, as the sync
+    iterable torch's fetcher reads: each ``next()`` awaits the async iterator's ``__anext__``
+    on the worker's event loop thread (``runner``), so the iterator's own tasks (a shard
+    prefetched in the background) go on between two samples. Anything else is the dataset's.
+    """
+
+    def __init__(self, dataset: Any, runner: WorkerFetcher, transform: Any) -> None:
+        self.dataset = dataset
+        self._runner = runner
+        self._transform = transform
+
+    def __getattr__(self, name: str) -> Any:  # state_dict, load_state_dict, ...
+        return getattr(self.dataset, name)
+
+    def __iter__(self) -> _SyncIterator:
+        return _SyncIterator(self.dataset.__aiter__(), self._runner, self._transform)
+
+
+class _SyncIterator:
+    def __init__(self, it: Any, runner: WorkerFetcher, transform: Any) -> None:
+        self._it = it
+        self._runner = runner
+        self._transform = transform
+
+    def __iter__(self) -> _SyncIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            sample = self._runner.run(self._it.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+        return sample if self._transform is None else self._transform(sample)
+
+    def __getattr__(self, name: str) -> Any:  # an iterator's own state_dict/load_state_dict
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._it, name)

@@ -445,6 +445,8 @@ class _State:
     init_error: RemoteError | None = None
     epoch: int = -1
     spec: WorkerSpec | None = None
+    #: fetch_in="workers" for an IterableDataset with ``__aiter__``: what torch's fetcher reads.
+    iterable: Any = None
     slots: Any = None  # shared array: send_idx each worker is working on, -1 when idle
     epoch_slots: Any = None  # shared array: the epoch of that task
 
@@ -833,11 +835,14 @@ def setup(
             worker_init_fn(worker_id)
         if remote is not None:
             fetcher = _remote.WorkerFetcher(remote, spec.auto_collation, collate_fn)
-            _state.fetcher = fetcher
             # Closes the dataset's client when the worker exits normally (a killed worker's
             # sockets are closed by the kernel).
             mp_util.Finalize(fetcher, fetcher.close, exitpriority=10)
-            _ahead.start = _look_ahead
+            if spec.is_iterable:  # torch's iterable fetcher reads it through a sync view
+                _state.iterable = _remote.AsyncIterView(dataset, fetcher, remote.transform)
+            else:
+                _state.fetcher = fetcher
+                _ahead.start = _look_ahead
         elif not spec.is_iterable:
             _state.fetcher = make_fetcher(
                 False, dataset, spec.auto_collation, collate_fn, spec.drop_last
@@ -897,7 +902,7 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
                 _state.fetcher = None
                 _state.fetcher = make_fetcher(
                     True,
-                    _state.dataset,
+                    _state.iterable if _state.iterable is not None else _state.dataset,
                     spec.auto_collation,
                     _state.collate_fn,
                     spec.drop_last,

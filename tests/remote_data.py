@@ -12,11 +12,14 @@ import copy
 import os
 import signal
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import get_worker_info
+
+from aioloader import AsyncIterableDataset
 
 
 class Latent:
@@ -183,3 +186,37 @@ def log_lines(path: str) -> list[list[str]]:
 
 def values(batches: list[Any]) -> list[int]:
     return [int(v) for b in batches for v in b["x"].flatten()]
+
+
+class Shards(AsyncIterableDataset[dict[str, Any]]):
+    """``async def __aiter__``: each worker reads its share of ``shards`` shards of ``per_shard``
+    samples, the next shard fetched in the background while the current one is read. Opens a
+    client (``__aenter__``) that every read needs."""
+
+    def __init__(self, shards: int, per_shard: int, delay: float = 0.005) -> None:
+        self.shards, self.per_shard, self.delay = shards, per_shard, delay
+        self.client: str | None = None
+
+    async def __aenter__(self) -> Shards:
+        self.client = "open"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.client = None
+
+    async def _read(self, shard: int) -> list[int]:
+        assert self.client == "open", "read without a client"
+        await asyncio.sleep(self.delay)
+        return list(range(shard * self.per_shard, (shard + 1) * self.per_shard))
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:  # type: ignore[override]
+        info = get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        mine = list(range(wid, self.shards, nw))
+        nxt = asyncio.ensure_future(self._read(mine[0])) if mine else None
+        for k in range(len(mine)):
+            assert nxt is not None
+            items = await nxt
+            nxt = asyncio.ensure_future(self._read(mine[k + 1])) if k + 1 < len(mine) else None
+            for i in items:
+                yield {"x": torch.tensor([i]), "worker": wid, "io": threading.current_thread().name}

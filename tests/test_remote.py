@@ -318,3 +318,29 @@ def test_is_transient_reads_statuses_codes_and_connection_errors() -> None:
     assert not is_transient(OSError(errno.ENOENT, "missing"))
     assert not is_transient(KeyError("x"))
     assert not is_transient(SystemExit(1))
+
+
+async def test_an_async_iterable_dataset_is_iterated_in_each_worker_as_torch_shards_it() -> None:
+    ds = rd.Shards(shards=6, per_shard=5)
+    async with AsyncDataLoader(ds, batch_size=4, num_workers=2) as loader:
+        assert loader.fetch_in == "workers"
+        got = await collect(loader)
+    # As torch round-robins an IterableDataset's workers: worker 0's batch, then worker 1's.
+    w0 = [i for s in (0, 2, 4) for i in range(s * 5, s * 5 + 5)]
+    w1 = [i for s in (1, 3, 5) for i in range(s * 5, s * 5 + 5)]
+    want = []
+    for k in range(4):
+        want += w0[4 * k : 4 * k + 4] + w1[4 * k : 4 * k + 4]
+    assert rd.values(got) == want
+    assert {int(w) for b in got for w in b["worker"]} == {0, 1}
+    assert all(name == "aioloader-io" for b in got for name in b["io"])
+
+
+def test_an_async_iterable_dataset_read_as_a_stream_when_asked_or_timed() -> None:
+    assert AsyncDataLoader(rd.Shards(2, 2), num_workers=2, fetch_in="loop").fetch_in == "loop"
+    timed = AsyncDataLoader(rd.Shards(2, 2), num_workers=2, max_batch_latency=0.1)
+    assert timed.fetch_in == "loop"
+    with pytest.raises(ValueError, match="max_batch_latency"):
+        AsyncDataLoader(rd.Shards(2, 2), num_workers=2, max_batch_latency=0.1, fetch_in="workers")
+    with pytest.raises(ValueError, match="executor='thread'"):
+        AsyncDataLoader(rd.Shards(2, 2), num_workers=2, executor="thread")

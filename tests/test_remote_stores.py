@@ -56,9 +56,7 @@ def _connections_to(port: int) -> int:
     count = 0
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
-            count += sum(
-                1 for c in proc.net_connections("tcp") if c.raddr and c.raddr.port == port
-            )
+            count += sum(1 for c in proc.net_connections("tcp") if c.raddr and c.raddr.port == port)
     return count
 
 
