@@ -251,13 +251,6 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._torch = torch_loader
         self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
         self._is_datapipe = isinstance(torch_loader.dataset, IterDataPipe)
-        # Which worker loads a batch decides its random augmentations (each worker's RNG is one
-        # stream seeded base_seed + worker_id). In order, batches go to workers round-robin as in
-        # torch, so a fixed generator reproduces torch's batches exactly. in_order=False gives up
-        # that determinism anyway, so there all workers share one queue and a slow batch never
-        # holds up the ones queued behind it on the same worker.
-        # With seeding="batch" the worker does not matter, so in order needs no round-robin.
-        self._pinned_workers = self._is_iterable or (in_order and seeding == "worker")
         self.max_worker_restarts = max_worker_restarts
         self._state = _State.OPEN
         self._epoch_no = 0  # epochs started: tags work for crash attribution, never reset
@@ -389,19 +382,19 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             # torch draws an IterDataPipe's shared seed every epoch (persistent workers too),
             # before the workers' base seed.
             if pending is not None and start.shared_seed is not None:
-                if self.generator is not None:  # advance the restored generator as it went
-                    torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+                if plan.generator is not None:  # advance the restored generator as it went
+                    torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
                 shared_seed = start.shared_seed
             else:
                 shared_seed = int(
-                    torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+                    torch.empty((), dtype=torch.int64).random_(generator=plan.generator).item()
                 )
                 start.shared_seed = shared_seed
         if pending is not None and start.base_seed is not None:
             # Resuming: the interrupted epoch's seed. If it was drawn from `generator`, draw again
             # (and discard) so the generator, restored to the epoch's start, advances as it did.
-            if start.seed_drawn and self.generator is not None:
-                torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            if start.seed_drawn and plan.generator is not None:
+                torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
             base_seed = start.base_seed
             if persistent:
                 self._persistent_seed = base_seed
@@ -411,7 +404,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         else:
             # As torch: the workers' base seed is drawn from `generator` before the sampler draws.
             base_seed = int(
-                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+                torch.empty((), dtype=torch.int64).random_(generator=plan.generator).item()
             )
             start.seed_drawn = True
             if persistent:
@@ -421,12 +414,12 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             shared_seed is not None
             and plan.num_workers > 0
             and start.seed_drawn
-            and (pending is None or self.generator is not None)
+            and (pending is None or plan.generator is not None)
         ):
             # torch's multi-worker iterator draws the shared seed once more as it starts (for the
             # main process's copy of the DataPipe only): drawn and dropped here, so the generator
             # (and the next epochs' seeds) advance exactly as under torch.
-            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
         if start.global_rng is None:
             # What the sampler will draw from if it uses the global RNG (a custom sampler records
             # it again, just before its iter()).
@@ -468,17 +461,59 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             raise ValueError("timeout option should be non-negative")
         prefetch = self.prefetch_factor
         check_prefetch_factor(prefetch, workers)
+        # aioloader's own settings are plain attributes: checked here, as in the constructor.
+        seeding = self.seeding
+        if seeding not in ("worker", "batch"):
+            raise ValueError(f"seeding should be 'worker' or 'batch', got {seeding!r}")
+        _check_int("worker_nice", self.worker_nice, 0, 19, "an int from 0 to 19")
+        _check_int("device_prefetch", self.device_prefetch, 1, None, "a positive int")
+        _check_int("max_worker_restarts", self.max_worker_restarts, 0, None, "a non-negative int")
+        # (worker_nice is not checked against the executor: it has a default, unlike in __init__)
+        _check_executor(self.executor, workers, self.multiprocessing_context, None)
+        DeviceStage(pin_memory=False, device=self.device)  # checks the device
+        stream = self._stream
+        if stream is not None:
+            # transform, max_batch_latency and source_concurrency may have been set since.
+            stream = _stream_input(
+                stream.source,
+                batch_size=stream.batch_size,
+                shuffle=None,
+                sampler=None,
+                batch_sampler=None,
+                transform=self.transform,
+                max_batch_latency=self.max_batch_latency,
+                source_concurrency=self.source_concurrency,
+            )
+        elif self.transform is not None or self.max_batch_latency is not None:
+            _stream_input(  # raises: they apply to async sources only
+                self.dataset,
+                batch_size=None,
+                shuffle=None,
+                sampler=None,
+                batch_sampler=None,
+                transform=self.transform,
+                max_batch_latency=self.max_batch_latency,
+                source_concurrency=self.source_concurrency,
+            )
+        in_order = bool(self.in_order)
         torch_loader = self._torch
         promised = torch_loader._IterableDataset_len_called if self._is_iterable else None
         return Plan(
             num_workers=workers,
             max_in_flight=prefetch * workers if prefetch is not None and workers > 0 else 1,
-            in_order=bool(self.in_order),
+            in_order=in_order,
             timeout=timeout,  # as given: torch says "after 1 seconds" for timeout=1
             batch_size=self.batch_size,
             drop_last=bool(self.drop_last),
-            seeding=self.seeding,
-            pinned_workers=self._pinned_workers,
+            seeding=seeding,
+            # Which worker loads a batch decides its random augmentations (each worker's RNG is
+            # one stream seeded base_seed + worker_id). In order, batches go to workers
+            # round-robin as in torch, so a fixed generator reproduces torch's batches exactly.
+            # in_order=False gives up that determinism anyway, so there all workers share one
+            # queue and a slow batch never holds up the ones queued behind it on the same
+            # worker. With seeding="batch" the worker does not matter, so in order needs no
+            # round-robin.
+            pinned_workers=self._is_iterable or (in_order and seeding == "worker"),
             is_iterable=self._is_iterable,
             persistent=self._persistent,
             pin_memory=bool(self.pin_memory),
@@ -489,12 +524,14 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             index_sampler=self._index_sampler,
             batch_sampler_given=self.batch_sampler is not None,
             one_shot_sampler=self._one_shot_sampler(),
-            stream=self._stream,
+            stream=stream,
             worker_dataset=self._worker_dataset(),
             collate_fn=self.collate_fn,
             worker_init_fn=self.worker_init_fn,
             mp_context=self._mp_context(),
             executor=self.executor,
+            worker_nice=self.worker_nice,
+            generator=self.generator,
             dataset_repr=str(self.dataset) if promised is not None else "",
             len_promised=promised,
         )
@@ -841,7 +878,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             auto_collation=plan.batch_sampler_given,
             drop_last=plan.drop_last,
             main_pid=os.getpid(),
-            nice=self.worker_nice,
+            nice=plan.worker_nice,
             payload_file=payload,
             objects=objects_or_none,
             fixed_worker_id=None,
