@@ -23,6 +23,7 @@ import pickle
 import random
 import select
 import signal
+import struct
 import sys
 import sysconfig
 import threading
@@ -725,11 +726,14 @@ def init(
     pid_slots: Any,
     channels: Sequence[_transport.FdChannel] | None = None,
     ready_slots: Any = None,
+    start_errors: Any = None,
 ) -> None:
     """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
 
     ``ready_slots[worker_id]`` is set to 1 once this is done (the pool starts its second wave of
-    workers then, see ``WorkerPool``).
+    workers then, see ``WorkerPool``), 2 if it failed: the failure is then also written to this
+    worker's part of ``start_errors`` (see :func:`write_start_error`), for a worker that gets no
+    batch to report it with (a shared queue the other workers emptied).
 
     A failure (any ``BaseException`` from user code, ``SystemExit`` included) is stored and
     reported by every later fetch, so the consumer sees the original exception type (see
@@ -773,7 +777,41 @@ def init(
 
     setup(spec, worker_id, objects)
     if ready_slots is not None:
-        ready_slots[worker_id] = 1
+        failed = _state.init_error is not None
+        if failed and start_errors is not None:
+            write_start_error(start_errors, worker_id, _state.init_error)
+        ready_slots[worker_id] = 2 if failed else 1
+
+
+#: Bytes per worker in a pool's ``start_errors`` array (a longer traceback loses its middle).
+START_ERROR_BYTES = 4096
+
+
+def write_start_error(buf: Any, worker_id: int, err: RemoteError | None) -> None:
+    """Write ``err`` into worker ``worker_id``'s part of ``buf``: a length, then its pickle."""
+    assert err is not None
+    data = pickle.dumps(err)
+    room = START_ERROR_BYTES - 4
+    # Too long: the first line ("Caught ValueError in DataLoader worker process 3.") and the end
+    # of the traceback (the frames that raised, and the error itself) are what matter.
+    head, _, tail = err.exc_msg.partition("\n")
+    while len(data) > room and tail:
+        tail = tail[len(tail) // 2 :] if len(tail) > 1 else ""
+        data = pickle.dumps(err._replace(exc_msg=f"{head[:1000]}\n[...]\n{tail}"))
+    if len(data) <= room:
+        offset = worker_id * START_ERROR_BYTES
+        buf[offset + 4 : offset + 4 + len(data)] = data
+        buf[offset : offset + 4] = struct.pack("<I", len(data))
+
+
+def read_start_error(buf: Any, worker_id: int) -> RemoteError | None:
+    """What :func:`write_start_error` wrote for ``worker_id``, if anything. Runs in: main."""
+    offset = worker_id * START_ERROR_BYTES
+    (size,) = struct.unpack("<I", bytes(buf[offset : offset + 4]))
+    if size == 0:
+        return None
+    err: RemoteError = pickle.loads(bytes(buf[offset + 4 : offset + 4 + size]))
+    return err
 
 
 def setup(
