@@ -351,13 +351,21 @@ def seed_all(seed: int) -> None:
 
 
 def capture_state(fetcher: Any, dataset: Any) -> Any:
-    """An iterable dataset's resumable state: its iterator's ``state_dict()``, else its own."""
+    """An iterable dataset's resumable state: its iterator's ``state_dict()``, else its own.
+
+    ``(target, state)``, or ``(target, state, True)`` once the iterator ran dry while it built a
+    short last batch: the state is then the one the dataset left for its next iterator (it may
+    have reset its position), and a resumed epoch must not iterate it again (torchdata saves
+    the fetcher's ``ended`` too).
+    """
     it = getattr(fetcher, "dataset_iter", None)
     if callable(getattr(it, "state_dict", None)):
-        return ("iterator", it.state_dict())  # type: ignore[union-attr]
-    if callable(getattr(dataset, "state_dict", None)):
-        return ("dataset", dataset.state_dict())
-    return None
+        state: tuple[Any, ...] = ("iterator", it.state_dict())  # type: ignore[union-attr]
+    elif callable(getattr(dataset, "state_dict", None)):
+        state = ("dataset", dataset.state_dict())
+    else:
+        return None
+    return (*state, True) if getattr(fetcher, "ended", False) else state
 
 
 def capture_end_state(dataset: Any) -> Any:
@@ -406,6 +414,8 @@ def make_fetcher(
     )
     if resume is not None and resume[0] == "iterator":
         fetcher.dataset_iter.load_state_dict(resume[1])
+    if resume is not None and len(resume) > 2 and resume[2]:
+        fetcher.ended = True  # ran dry before the state was taken: the next fetch ends
     return fetcher
 
 

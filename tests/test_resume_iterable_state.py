@@ -134,3 +134,31 @@ async def test_batch_seeding_is_reproducible_when_iterable_workers_run_dry_apart
         loader.load_state_dict(state)
         rest = await _take(loader)
     assert head + rest == runs[0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+async def test_a_state_after_a_short_last_batch_resumes_with_that_worker_ended(
+    workers: int,
+) -> None:
+    """r4_03: building a short last batch ran the iterator dry, and the dataset reset its
+    position (as docs/resume.md asks). The state after that batch says the worker ended (as
+    torchdata's fetcher state does): the resumed epoch delivers only the rest, and the next
+    epoch starts over."""
+    kw: dict[str, Any] = {"batch_size": 2, "num_workers": workers}
+    if workers:
+        kw["multiprocessing_context"] = "fork"
+    async with AsyncDataLoader(rd.DatasetLevelState(5), **kw) as loader:
+        full = await _take(loader)
+        second = await _take(loader)
+    # Right after a short last batch: worker 0's (worker 1's still to come), or the epoch's last.
+    stop = len(full) - 1 if workers else len(full)
+    async with AsyncDataLoader(rd.DatasetLevelState(5), **kw) as loader:
+        head = await _take(loader, stop)
+        await asyncio.sleep(0.3)  # in-flight results arrive: the state is the received one's
+        state = _json(loader.state_dict())
+    async with AsyncDataLoader(rd.DatasetLevelState(5), **kw) as loader:
+        loader.load_state_dict(state)
+        rest = await _take(loader)
+        after = await _take(loader)
+    assert sorted(head + rest) == sorted(full)
+    assert sorted(after) == sorted(second)
