@@ -270,6 +270,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._pid = os.getpid()
         # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
         self._persistent_pool_busy = False
+        # load_state_dict() was called: the kept workers' replicas and RNGs are not the state's.
+        self._persistent_pool_stale = False
         self._persistent_seed: int | None = None
         # A lock belongs to one event loop: a loader used by consecutive asyncio.run() calls
         # gets a fresh one on each loop.
@@ -424,10 +426,25 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             # What the sampler will draw from if it uses the global RNG (a custom sampler records
             # it again, just before its iter()).
             start.record_global_rng(torch.get_rng_state())
-        if pending is None and self.num_workers == 0:
-            # The dataset as its iterator starts: a state taken before the first batch holds it
-            # (a dataset may keep the global RNG in its state; the base seed was drawn from it).
-            progress.worker_states.update(self._carried_states())
+        fetcher = None
+        if plan.num_workers == 0 and plan.is_iterable and plan.stream is None:
+            # As torch (and torchdata) with num_workers=0: the dataset's iterator is made now, in
+            # iter(loader), after the base seed was drawn; its first batch is loaded from it. A
+            # state taken before that batch reads it (and the dataset) when it is taken.
+            try:
+                fetcher = _worker.make_fetcher(
+                    True,
+                    plan.worker_dataset,
+                    plan.batch_sampler_given,
+                    plan.collate_fn,
+                    plan.drop_last,
+                    progress.worker_states.get(0),
+                    shared_seed,
+                )
+            except BaseException:
+                self._pending = pending  # not started: the next `async for` resumes instead
+                raise
+            progress.start_fetcher = fetcher
         epoch = Epoch(
             plan,
             self._host,
@@ -440,6 +457,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         )
         if pending is not None and self._is_iterable:
             epoch.resume_states = dict(progress.worker_states)
+        if fetcher is not None:
+            epoch.resume_states[0] = ("fetcher", fetcher)
         self._epoch_no += 1
         self._epochs.add(epoch)
         return _EpochIterator(epoch, self)
@@ -572,8 +591,14 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "on the dataset (or on the iterator its __iter__ returns), returning where it "
                 "stands; aioloader saves it per worker after each delivered batch"
             )
+        worker_states = p.worker_states
+        if p.start_fetcher is not None and not p.position.count and not worker_states:
+            # num_workers=0, nothing received yet: the epoch's iterator (and dataset) as they
+            # are now, as torchdata reads them.
+            state = _worker.capture_state(p.start_fetcher, self.dataset)
+            worker_states = {0: copy.deepcopy(state)} if state is not None else {}
         return self._make_state(
-            p.epoch, p.start, p.position, p.worker_states, p.last_worker, p.worker_batches
+            p.epoch, p.start, p.position, worker_states, p.last_worker, p.worker_batches
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -603,6 +628,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._pending = _PendingResume.parse(state, self)
         if self._pending.persistent_seed is not None:
             self._persistent_seed = self._pending.persistent_seed
+        # Persistent workers kept from an earlier epoch hold their replicas and RNGs as that
+        # epoch left them, not as the state says: the next epoch starts new ones, as a new
+        # loader would (torchdata's load_state_dict drops its iterator and workers too).
+        self._persistent_pool_stale = self._persistent_pool is not None
 
     def _refuse_stream_resume(self, what: str) -> None:
         if self._stream is not None:
@@ -940,9 +969,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             self._pool_lock, self._pool_lock_loop = asyncio.Lock(), loop
         async with self._pool_lock:
             old = self._persistent_pool
-            if old is not None and old.num_workers != plan.num_workers:
+            stale, self._persistent_pool_stale = self._persistent_pool_stale, False
+            if old is not None and (stale or old.num_workers != plan.num_workers):
                 # num_workers was changed between epochs (torch allows it): the kept workers are
-                # the wrong number, so this epoch starts the right one.
+                # the wrong number, so this epoch starts the right one. Or a state was loaded.
                 _logger.debug("num_workers %d -> %d: new persistent workers", old.num_workers,
                               plan.num_workers)  # fmt: skip
                 busy = self._persistent_pool_busy

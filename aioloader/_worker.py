@@ -368,15 +368,20 @@ def capture_state(fetcher: Any, dataset: Any) -> Any:
     return (*state, True) if getattr(fetcher, "ended", False) else state
 
 
-def capture_end_state(dataset: Any) -> Any:
+def capture_end_state(dataset: Any, fetcher: Any = None) -> Any:
     """An iterable dataset's own state once a worker's iterator ran dry, or None.
 
     What the next epoch starts from where the dataset lives on (``num_workers=0``, persistent
-    workers): its next iterator is a new one, so an iterator's state is not part of it.
+    workers): its next iterator is a new one, so an iterator's position is not part of it. But
+    what loading the spent iterator's state does (restore the worker's RNG, say) carries over
+    into the next epoch, as torchdata's resume does: ``("spent", dataset's or None, iterator's)``
+    when ``fetcher``'s iterator (not the dataset itself) has a state.
     """
-    if callable(getattr(dataset, "state_dict", None)):
-        return ("dataset", dataset.state_dict())
-    return None
+    own = dataset.state_dict() if callable(getattr(dataset, "state_dict", None)) else None
+    it = getattr(fetcher, "dataset_iter", None)
+    if it is not None and it is not dataset and callable(getattr(it, "state_dict", None)):
+        return ("spent", own, it.state_dict())
+    return ("dataset", own) if own is not None else None
 
 
 #: Walking a DataPipe graph (to seed, shard or copy it) swaps class-wide pickling hooks, so two
@@ -400,6 +405,8 @@ def make_fetcher(
         return _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
             _DatasetKind.Map, dataset, auto_collation, collate_fn, drop_last
         )
+    if resume is not None and resume[0] == "fetcher":
+        return resume[1]  # num_workers=0: made when the epoch began (see AsyncDataLoader)
     if shared_seed is not None and isinstance(dataset, IterDataPipe):
         # As torch does in every worker and in the main process: one seed per epoch, the same in
         # every worker, so a shuffler orders the whole stream once and sharding splits that order.
@@ -407,14 +414,19 @@ def make_fetcher(
         rng.manual_seed(shared_seed)
         with DATAPIPE_GRAPH_LOCK:
             graph_settings.apply_random_seed(dataset, rng)
-    if resume is not None and resume[0] == "dataset":
+    kind = resume[0] if resume is not None else None
+    if kind in ("dataset", "spent") and resume[1] is not None:
         dataset.load_state_dict(resume[1])  # before iter(): the new iterator starts from it
+    if kind == "spent":
+        # An epoch's end (capture_end_state): load the spent iterator's state into an iterator
+        # made for that, for what loading it does (as torchdata does), then start a new one.
+        iter(dataset).load_state_dict(resume[2])
     fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
         _DatasetKind.Iterable, dataset, auto_collation, collate_fn, drop_last
     )
-    if resume is not None and resume[0] == "iterator":
+    if kind == "iterator":
         fetcher.dataset_iter.load_state_dict(resume[1])
-    if resume is not None and len(resume) > 2 and resume[2]:
+    if kind in ("dataset", "iterator") and len(resume) > 2 and resume[2]:
         fetcher.ended = True  # ran dry before the state was taken: the next fetch ends
     return fetcher
 
@@ -932,7 +944,7 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
             try:
                 batch = _state.fetcher.fetch(indices)
             except StopIteration:
-                end = capture_end_state(_state.dataset)
+                end = capture_end_state(_state.dataset, _state.fetcher)
                 elapsed = time.perf_counter() - start
                 return Result(send_idx, epoch, wid, os.getpid(), Exhausted(wid), elapsed, end)
             state = capture_state(_state.fetcher, _state.dataset)
