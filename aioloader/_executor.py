@@ -95,6 +95,25 @@ def _kill_live_pools() -> None:
 multiprocessing.util.Finalize(None, _kill_live_pools, exitpriority=10)
 
 
+def _kill_unfinished_pools() -> None:
+    """At interpreter exit, kill the workers of every open pool that would hold the exit up.
+
+    concurrent.futures' exit hook (it runs before the atexit hooks, among them the bridge's that
+    closes loaders) asks each executor's workers to stop and joins them: a worker still starting
+    (a slow ``worker_init_fn``) or loading a batch that nobody will take (an epoch interrupted
+    with ^C, its persistent pool left open) would keep the interpreter alive until it is done,
+    or for ever. Those are killed first, as a loader left open at exit promises; idle workers
+    are left to that hook's orderly stop. Registered after concurrent.futures' hook, so it runs
+    before it (threading runs them in reverse).
+    """
+    for pool in list(_live_pools):
+        if pool._pid == os.getpid() and not pool._idle():
+            pool.kill_at_exit()
+
+
+threading._register_atexit(_kill_unfinished_pools)  # type: ignore[attr-defined]
+
+
 def first_wave_size() -> int:
     """Workers started at once under spawn/forkserver: the CPU cores this process may use."""
     try:
@@ -421,6 +440,10 @@ class WorkerPool:
         """Why workers of the second wave could not start, if they could not: the pool is
         unusable (its owner fails the epoch with this error and does not reuse the pool)."""
         return self._grow_error
+
+    def _idle(self) -> bool:
+        """Every worker started (well or not) and none is loading a batch."""
+        return all(self._ready_slots) and all(s == -1 for s in self._slots)
 
     async def start_failures(self, *, wait: bool) -> list[_worker.RemoteError]:
         """The start-up errors (``worker_init_fn`` raised) of workers that had one.
