@@ -351,18 +351,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "(spawn/forkserver start methods re-import it in every worker); create and "
                 "iterate loaders only under `if __name__ == '__main__':`"
             )
-        if self.pin_memory and self.pin_memory_device:
-            warnings.warn(
-                "pin_memory_device is deprecated, the current accelerator will be used as the "
-                f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
-                stacklevel=2,
-            )
-        if self.pin_memory and not torch.accelerator.is_available():
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, "
-                "then device pinned memory won't be used.",
-                stacklevel=2,
-            )
+        for message in self._pin_memory_warnings():
+            warnings.warn(message, stacklevel=2)
         persistent = self._persistent
         if persistent:
             for older in list(self._epochs):
@@ -462,6 +452,30 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._epoch_no += 1
         self._epochs.add(epoch)
         return _EpochIterator(epoch, self)
+
+    #: The pin_memory warnings were given (once per loader, as torch's persistent iterator does).
+    _pin_warned = False
+
+    def _pin_memory_warnings(self) -> list[str]:
+        """torch's pin_memory warnings for the next epoch, the first time they apply only.
+
+        The bridge gives them on its caller's thread, pointing at the caller's ``for`` line.
+        """
+        messages = []
+        if self.pin_memory and self.pin_memory_device:
+            messages.append(
+                "pin_memory_device is deprecated, the current accelerator will be used as the "
+                f"device,ignore pin_memory_device='{self.pin_memory_device}'."
+            )
+        if self.pin_memory and not torch.accelerator.is_available():
+            messages.append(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used."
+            )
+        if self._pin_warned:
+            return []
+        self._pin_warned = bool(messages)
+        return messages
 
     def _plan(self) -> Plan:
         """The settings the next epoch runs from, checked as torch checks them.
