@@ -203,7 +203,7 @@ class ThreadBackend:
                     "raise IndexError for a bad index instead"
                 ) from None
             data = _worker.Exhausted(0)
-            state = copy.deepcopy(_worker.capture_end_state(self._dataset))
+            state = copy.deepcopy(_worker.capture_end_state(self._dataset, self._fetcher))
         except Exception:
             raise
         except BaseException as exc:

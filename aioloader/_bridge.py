@@ -20,9 +20,10 @@ import contextlib
 import os
 import signal
 import threading
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, Protocol, Self
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, Self
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -67,6 +68,8 @@ class BridgedLoader(Protocol[_B_co]):
     def _is_closed(self) -> bool: ...
 
     def _torch_loader(self) -> DataLoader[Any]: ...
+
+    def _pin_memory_warnings(self) -> list[str]: ...
 
 
 class _Portal:
@@ -233,10 +236,19 @@ class SyncDataLoader(TorchAttributes, Generic[_B]):
             return fn(*args)
         return portal.portal.call(fn, *args)
 
+    def __aiter__(self) -> NoReturn:
+        raise TypeError(
+            f"{type(self).__name__!r} object is not an async iterable: loader.sync() is for "
+            "synchronous code (`for batch in loader.sync():`). In a coroutine, iterate the "
+            "AsyncDataLoader itself: `async for batch in loader:`"
+        )
+
     def __iter__(self) -> Iterator[_B]:
         """Start an epoch on the loader's event loop thread."""
         _refuse_in_running_loop("Iterating")
         self._loader._check_open()
+        for message in self._loader._pin_memory_warnings():
+            warnings.warn(message, stacklevel=2)  # at the caller's `for`, not on the loop's thread
         portal = _portal_for(self._loader)
         iterator = portal.portal.call(_start_epoch, self._loader)
         return _SyncEpoch(portal, iterator)

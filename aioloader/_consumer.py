@@ -56,6 +56,8 @@ class ConsumerSide(Protocol):
     phase: Phase
     started_at: float | None
     end_reason: BaseException | None
+    #: The workers (None before they started); asked at the end for start-up errors.
+    backend: Any
 
     @property
     def terminal(self) -> bool: ...
@@ -116,6 +118,8 @@ class Consumer:
         self._last_delivered: Any = None
         # send_idx of the batch the last _next_value() returned (acknowledgements need it).
         self._received: int | None = None
+        # Workers' errors raised this epoch (a start-up error is raised at the end otherwise).
+        self._raised: set[_worker.RemoteError] = set()
 
     # --------------------------------------------------------------------- worker choice
 
@@ -253,11 +257,14 @@ class Consumer:
             self._done = True
             if ep.acks is not None and not ep.terminal:
                 await self._flush_acks()
+            start_error = None if ep.terminal else await self._unreported_start_error()
             ended = ep.end(Phase.FINISHED)
             if ep.phase is Phase.FINISHED:
                 ep.progress.finished = True  # state_dict() now points at the next epoch
             if ended:
                 await ep.wait_cleanup()  # as torch: the workers are gone when the loop ends
+            if start_error is not None:
+                raise_remote(start_error)
             raise
         except AioLoaderError as exc:
             # The loader's own errors are fatal (a crash, the timeout, closed, superseded).
@@ -411,6 +418,7 @@ class Consumer:
                 # The pool tells a consumer that keeps batches from waits it would not cure.
                 _transport.delivered(data.buffers)
         elif isinstance(data, _worker.RemoteError):
+            self._raised.add(data)
             raise_remote(data)
         elif isinstance(data, Failure):
             raise data.exc
@@ -418,6 +426,26 @@ class Consumer:
             raise RuntimeError(f"aioloader bug: unexpected result {type(data).__name__}")
         self._epoch.counters.samples += _batch_len(value, self._epoch.plan.batch_size)
         return value
+
+    async def _unreported_start_error(self) -> _worker.RemoteError | None:
+        """A worker's start-up error not raised this epoch, from workers sharing one queue.
+
+        torch hands batches to its workers in turn, so each worker's ``worker_init_fn`` error
+        comes with a batch. From a shared queue a worker that started late may get none: its
+        error is raised at the end instead. With a ``worker_init_fn`` the end first waits, as
+        torch's epoch does, until every worker has started (bounded by ``timeout``).
+        """
+        plan = self._epoch.plan
+        failures = getattr(self._epoch.backend, "start_failures", None)
+        if plan.pinned_workers or failures is None:
+            return None
+        wait = plan.worker_init_fn is not None
+        try:
+            async with asyncio.timeout(plan.timeout if plan.timeout > 0 else None):
+                errors: list[_worker.RemoteError] = await failures(wait=wait)
+        except TimeoutError:
+            return None
+        return next((e for e in errors if e not in self._raised), None)
 
     def _check_iterable_len(self) -> None:
         plan = self._epoch.plan

@@ -14,6 +14,7 @@ Two shapes, chosen by the loader:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -92,6 +93,25 @@ def _kill_live_pools() -> None:
 
 
 multiprocessing.util.Finalize(None, _kill_live_pools, exitpriority=10)
+
+
+def _kill_unfinished_pools() -> None:
+    """At interpreter exit, kill the workers of every open pool that would hold the exit up.
+
+    concurrent.futures' exit hook (it runs before the atexit hooks, among them the bridge's that
+    closes loaders) asks each executor's workers to stop and joins them: a worker still starting
+    (a slow ``worker_init_fn``) or loading a batch that nobody will take (an epoch interrupted
+    with ^C, its persistent pool left open) would keep the interpreter alive until it is done,
+    or for ever. Those are killed first, as a loader left open at exit promises; idle workers
+    are left to that hook's orderly stop. Registered after concurrent.futures' hook, so it runs
+    before it (threading runs them in reverse).
+    """
+    for pool in list(_live_pools):
+        if pool._pid == os.getpid() and not pool._idle():
+            pool.kill_at_exit()
+
+
+threading._register_atexit(_kill_unfinished_pools)  # type: ignore[attr-defined]
 
 
 def first_wave_size() -> int:
@@ -183,6 +203,10 @@ class WorkerPool:
         self._pid_slots: Any = ctx.RawArray(ctypes.c_longlong, [0] * self.num_workers)
         # One per worker id: 1 once its initializer is done (dataset loaded, worker_init_fn run).
         self._ready_slots: Any = ctx.RawArray(ctypes.c_ubyte, [0] * self.num_workers)
+        # Each worker's start-up failure, if it had one (its ready slot is 2 then).
+        self._start_errors: Any = ctx.RawArray(
+            ctypes.c_char, self.num_workers * _worker.START_ERROR_BYTES
+        )
         # One per worker id: large tensors' descriptors travel with the results, not through a
         # connection from the main process to each worker per batch (see _transport).
         # Batch buffers any worker can reuse once the consumer drops a batch (see _transport).
@@ -379,7 +403,7 @@ class WorkerPool:
                 first = [p.sentinel for _, p in self._workers]
                 # Up: its initializer is done (imports, dataset, worker_init_fn), so the next
                 # workers' start-up no longer competes with it for a core.
-                while sum(self._ready_slots) < wave:
+                while sum(1 for r in self._ready_slots if r) < wave:
                     if stopping():
                         return
                     if multiprocessing.connection.wait(first, 0.01):
@@ -417,6 +441,30 @@ class WorkerPool:
         unusable (its owner fails the epoch with this error and does not reuse the pool)."""
         return self._grow_error
 
+    def _idle(self) -> bool:
+        """Every worker started (well or not) and none is loading a batch."""
+        return all(self._ready_slots) and all(s == -1 for s in self._slots)
+
+    async def start_failures(self, *, wait: bool) -> list[_worker.RemoteError]:
+        """The start-up errors (``worker_init_fn`` raised) of workers that had one.
+
+        A worker whose start failed reports it with every batch it is given; from a shared
+        queue it may get none (started late, when the others had taken every batch), so the
+        epoch asks here before it ends. ``wait``: first wait until every worker has finished
+        starting (as torch's epoch does), unless the pool stops, cannot grow, or loses a worker.
+        """
+        while wait and not all(self._ready_slots):
+            if self._stopped or self._stop_growing.is_set() or self._grow_error is not None:
+                break
+            if multiprocessing.connection.wait(self.sentinels(), 0):
+                break  # a worker died: crash handling's, not ours
+            await asyncio.sleep(0.01)
+        return [
+            err
+            for wid, ready in enumerate(self._ready_slots)
+            if ready == 2 and (err := _worker.read_start_error(self._start_errors, wid)) is not None
+        ]
+
     def watch(self, on_grown: Callable[[BaseException | None], None]) -> list[int]:
         """The workers' sentinels now (as :meth:`sentinels`). If more workers are still to
         start, ``on_grown`` is called once from another thread when they have (None) or could
@@ -447,6 +495,7 @@ class WorkerPool:
                 self._pid_slots,
                 self._channels,
                 self._ready_slots,
+                self._start_errors,
             ),
         )
 

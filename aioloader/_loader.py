@@ -285,13 +285,6 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "processes, or fetch_in='loop'"
             )
         self._is_datapipe = isinstance(torch_loader.dataset, IterDataPipe)
-        # Which worker loads a batch decides its random augmentations (each worker's RNG is one
-        # stream seeded base_seed + worker_id). In order, batches go to workers round-robin as in
-        # torch, so a fixed generator reproduces torch's batches exactly. in_order=False gives up
-        # that determinism anyway, so there all workers share one queue and a slow batch never
-        # holds up the ones queued behind it on the same worker.
-        # With seeding="batch" the worker does not matter, so in order needs no round-robin.
-        self._pinned_workers = self._is_iterable or (in_order and seeding == "worker")
         self.max_worker_restarts = max_worker_restarts
         self._state = _State.OPEN
         self._epoch_no = 0  # epochs started: tags work for crash attribution, never reset
@@ -311,6 +304,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._pid = os.getpid()
         # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
         self._persistent_pool_busy = False
+        # load_state_dict() was called: the kept workers' replicas and RNGs are not the state's.
+        self._persistent_pool_stale = False
         self._persistent_seed: int | None = None
         # A lock belongs to one event loop: a loader used by consecutive asyncio.run() calls
         # gets a fresh one on each loop.
@@ -390,18 +385,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "(spawn/forkserver start methods re-import it in every worker); create and "
                 "iterate loaders only under `if __name__ == '__main__':`"
             )
-        if self.pin_memory and self.pin_memory_device:
-            warnings.warn(
-                "pin_memory_device is deprecated, the current accelerator will be used as the "
-                f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
-                stacklevel=2,
-            )
-        if self.pin_memory and not torch.accelerator.is_available():
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, "
-                "then device pinned memory won't be used.",
-                stacklevel=2,
-            )
+        for message in self._pin_memory_warnings():
+            warnings.warn(message, stacklevel=2)
         persistent = self._persistent
         if persistent:
             for older in list(self._epochs):
@@ -423,19 +408,19 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             # torch draws an IterDataPipe's shared seed every epoch (persistent workers too),
             # before the workers' base seed.
             if pending is not None and start.shared_seed is not None:
-                if self.generator is not None:  # advance the restored generator as it went
-                    torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+                if plan.generator is not None:  # advance the restored generator as it went
+                    torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
                 shared_seed = start.shared_seed
             else:
                 shared_seed = int(
-                    torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+                    torch.empty((), dtype=torch.int64).random_(generator=plan.generator).item()
                 )
                 start.shared_seed = shared_seed
         if pending is not None and start.base_seed is not None:
             # Resuming: the interrupted epoch's seed. If it was drawn from `generator`, draw again
             # (and discard) so the generator, restored to the epoch's start, advances as it did.
-            if start.seed_drawn and self.generator is not None:
-                torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            if start.seed_drawn and plan.generator is not None:
+                torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
             base_seed = start.base_seed
             if persistent:
                 self._persistent_seed = base_seed
@@ -445,7 +430,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         else:
             # As torch: the workers' base seed is drawn from `generator` before the sampler draws.
             base_seed = int(
-                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+                torch.empty((), dtype=torch.int64).random_(generator=plan.generator).item()
             )
             start.seed_drawn = True
             if persistent:
@@ -455,20 +440,35 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             shared_seed is not None
             and plan.num_workers > 0
             and start.seed_drawn
-            and (pending is None or self.generator is not None)
+            and (pending is None or plan.generator is not None)
         ):
             # torch's multi-worker iterator draws the shared seed once more as it starts (for the
             # main process's copy of the DataPipe only): drawn and dropped here, so the generator
             # (and the next epochs' seeds) advance exactly as under torch.
-            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
         if start.global_rng is None:
             # What the sampler will draw from if it uses the global RNG (a custom sampler records
             # it again, just before its iter()).
             start.record_global_rng(torch.get_rng_state())
-        if pending is None and self.num_workers == 0:
-            # The dataset as its iterator starts: a state taken before the first batch holds it
-            # (a dataset may keep the global RNG in its state; the base seed was drawn from it).
-            progress.worker_states.update(self._carried_states())
+        fetcher = None
+        if plan.num_workers == 0 and plan.is_iterable and plan.stream is None:
+            # As torch (and torchdata) with num_workers=0: the dataset's iterator is made now, in
+            # iter(loader), after the base seed was drawn; its first batch is loaded from it. A
+            # state taken before that batch reads it (and the dataset) when it is taken.
+            try:
+                fetcher = _worker.make_fetcher(
+                    True,
+                    plan.worker_dataset,
+                    plan.batch_sampler_given,
+                    plan.collate_fn,
+                    plan.drop_last,
+                    progress.worker_states.get(0),
+                    shared_seed,
+                )
+            except BaseException:
+                self._pending = pending  # not started: the next `async for` resumes instead
+                raise
+            progress.start_fetcher = fetcher
         epoch = Epoch(
             plan,
             self._host,
@@ -481,9 +481,35 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         )
         if pending is not None and self._is_iterable:
             epoch.resume_states = dict(progress.worker_states)
+        if fetcher is not None:
+            epoch.resume_states[0] = ("fetcher", fetcher)
         self._epoch_no += 1
         self._epochs.add(epoch)
         return _EpochIterator(epoch, self)
+
+    #: The pin_memory warnings were given (once per loader, as torch's persistent iterator does).
+    _pin_warned = False
+
+    def _pin_memory_warnings(self) -> list[str]:
+        """torch's pin_memory warnings for the next epoch, the first time they apply only.
+
+        The bridge gives them on its caller's thread, pointing at the caller's ``for`` line.
+        """
+        messages = []
+        if self.pin_memory and self.pin_memory_device:
+            messages.append(
+                "pin_memory_device is deprecated, the current accelerator will be used as the "
+                f"device,ignore pin_memory_device='{self.pin_memory_device}'."
+            )
+        if self.pin_memory and not torch.accelerator.is_available():
+            messages.append(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used."
+            )
+        if self._pin_warned:
+            return []
+        self._pin_warned = bool(messages)
+        return messages
 
     def _plan(self) -> Plan:
         """The settings the next epoch runs from, checked as torch checks them.
@@ -507,10 +533,64 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "fetch_in='workers' fetches in the worker processes, and num_workers is now 0: "
                 "set num_workers > 0, or make the loader with fetch_in='loop'"
             )
+        # aioloader's own settings are plain attributes: checked here, as in the constructor.
+        seeding = self.seeding
+        if seeding not in ("worker", "batch"):
+            raise ValueError(f"seeding should be 'worker' or 'batch', got {seeding!r}")
+        _check_int("worker_nice", self.worker_nice, 0, 19, "an int from 0 to 19")
+        _check_int("device_prefetch", self.device_prefetch, 1, None, "a positive int")
+        _check_int("max_worker_restarts", self.max_worker_restarts, 0, None, "a non-negative int")
+        # (worker_nice is not checked against the executor: it has a default, unlike in __init__)
+        _check_executor(self.executor, workers, self.multiprocessing_context, None)
+        DeviceStage(pin_memory=False, device=self.device)  # checks the device
+        stream = self._stream
+        if stream is not None:
+            # transform, max_batch_latency and source_concurrency may have been set since.
+            torch_iterable = isinstance(stream.source, IterableDataset)
+            stream, _ = _stream_input(
+                stream.source,
+                batch_size=stream.batch_size,
+                shuffle=None,
+                sampler=None,
+                batch_sampler=None,
+                transform=self.transform,
+                max_batch_latency=self.max_batch_latency,
+                source_concurrency=self.source_concurrency,
+                num_workers=workers,
+                fetch_in="loop" if stream.kind == "map" or torch_iterable else None,
+                fetch_policy=stream.policy if stream.kind == "map" else None,
+            )
+        elif self._remote is not None:
+            _check_int(
+                "source_concurrency",
+                self.source_concurrency,
+                1,
+                None,
+                "a positive int (requests in flight per worker)",
+            )
+            if self.max_batch_latency is not None:
+                raise ValueError(
+                    "max_batch_latency applies to a stream read on this event loop; this loader "
+                    "fetches in the workers (fetch_in='workers')"
+                )
+        elif self.transform is not None or self.max_batch_latency is not None:
+            _stream_input(  # raises: they apply to async sources only
+                self.dataset,
+                batch_size=None,
+                shuffle=None,
+                sampler=None,
+                batch_sampler=None,
+                transform=self.transform,
+                max_batch_latency=self.max_batch_latency,
+                source_concurrency=self.source_concurrency,
+                num_workers=workers,
+                fetch_in=None,
+                fetch_policy=None,
+            )
+        in_order = bool(self.in_order)
         torch_loader = self._torch
         promised = torch_loader._IterableDataset_len_called if self._is_iterable else None
         in_flight = prefetch * workers if prefetch is not None and workers > 0 else 1
-        stream = self._stream
         if workers == 0 and stream is not None and stream.kind == "map":
             # Fetched on this loop, where a batch costs latency, not CPU: enough batches in
             # flight to keep source_concurrency requests going (one more to cover the gap
@@ -520,12 +600,19 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         return Plan(
             num_workers=workers,
             max_in_flight=in_flight,
-            in_order=bool(self.in_order),
+            in_order=in_order,
             timeout=timeout,  # as given: torch says "after 1 seconds" for timeout=1
             batch_size=self.batch_size,
             drop_last=bool(self.drop_last),
-            seeding=self.seeding,
-            pinned_workers=self._pinned_workers,
+            seeding=seeding,
+            # Which worker loads a batch decides its random augmentations (each worker's RNG is
+            # one stream seeded base_seed + worker_id). In order, batches go to workers
+            # round-robin as in torch, so a fixed generator reproduces torch's batches exactly.
+            # in_order=False gives up that determinism anyway, so there all workers share one
+            # queue and a slow batch never holds up the ones queued behind it on the same
+            # worker. With seeding="batch" the worker does not matter, so in order needs no
+            # round-robin.
+            pinned_workers=self._is_iterable or (in_order and seeding == "worker"),
             is_iterable=self._is_iterable,
             persistent=self._persistent,
             pin_memory=bool(self.pin_memory),
@@ -536,12 +623,14 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             index_sampler=self._index_sampler,
             batch_sampler_given=self.batch_sampler is not None,
             one_shot_sampler=self._one_shot_sampler(),
-            stream=self._stream,
+            stream=stream,
             worker_dataset=self._worker_dataset(),
             collate_fn=self.collate_fn,
             worker_init_fn=self.worker_init_fn,
             mp_context=self._mp_context(),
             executor=self.executor,
+            worker_nice=self.worker_nice,
+            generator=self.generator,
             dataset_repr=str(self.dataset) if promised is not None else "",
             len_promised=promised,
         )
@@ -582,8 +671,14 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "on the dataset (or on the iterator its __iter__ returns), returning where it "
                 "stands; aioloader saves it per worker after each delivered batch"
             )
+        worker_states = p.worker_states
+        if p.start_fetcher is not None and not p.position.count and not worker_states:
+            # num_workers=0, nothing received yet: the epoch's iterator (and dataset) as they
+            # are now, as torchdata reads them.
+            state = _worker.capture_state(p.start_fetcher, self.dataset)
+            worker_states = {0: copy.deepcopy(state)} if state is not None else {}
         return self._make_state(
-            p.epoch, p.start, p.position, p.worker_states, p.last_worker, p.worker_batches
+            p.epoch, p.start, p.position, worker_states, p.last_worker, p.worker_batches
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -613,6 +708,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._pending = _PendingResume.parse(state, self)
         if self._pending.persistent_seed is not None:
             self._persistent_seed = self._pending.persistent_seed
+        # Persistent workers kept from an earlier epoch hold their replicas and RNGs as that
+        # epoch left them, not as the state says: the next epoch starts new ones, as a new
+        # loader would (torchdata's load_state_dict drops its iterator and workers too).
+        self._persistent_pool_stale = self._persistent_pool is not None
 
     def _refuse_stream_resume(self, what: str) -> None:
         if self._stream is not None:
@@ -888,7 +987,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             auto_collation=plan.batch_sampler_given,
             drop_last=plan.drop_last,
             main_pid=os.getpid(),
-            nice=self.worker_nice,
+            nice=plan.worker_nice,
             payload_file=payload,
             objects=objects_or_none,
             fixed_worker_id=None,
@@ -977,9 +1076,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             self._pool_lock, self._pool_lock_loop = asyncio.Lock(), loop
         async with self._pool_lock:
             old = self._persistent_pool
-            if old is not None and old.num_workers != plan.num_workers:
+            stale, self._persistent_pool_stale = self._persistent_pool_stale, False
+            if old is not None and (stale or old.num_workers != plan.num_workers):
                 # num_workers was changed between epochs (torch allows it): the kept workers are
-                # the wrong number, so this epoch starts the right one.
+                # the wrong number, so this epoch starts the right one. Or a state was loaded.
                 _logger.debug("num_workers %d -> %d: new persistent workers", old.num_workers,
                               plan.num_workers)  # fmt: skip
                 busy = self._persistent_pool_busy

@@ -21,6 +21,8 @@ from ._worker import Extra
 if TYPE_CHECKING:
     import asyncio
 
+    import torch
+
     from ._backend import Backend, Launcher
 
 __all__ = (
@@ -128,6 +130,10 @@ class Plan:
     worker_init_fn: Callable[[int], None] | None
     mp_context: BaseContext
     executor: str | Launcher
+    #: Niceness added to each worker process.
+    worker_nice: int
+    #: What the epoch's base seed (and an IterDataPipe's shared seed) are drawn from.
+    generator: torch.Generator | None
     #: The dataset's ``repr`` and the length torch's ``len()`` promised for an IterableDataset
     #: (its warning when more samples come; torch reads it when the iterator is created).
     dataset_repr: str

@@ -211,6 +211,9 @@ class Progress:
         self.finished = False
         #: Where a resumed epoch starts: (low, above) of the loaded position.
         self.resume_from: Position | None = None
+        #: ``num_workers=0``, an iterable dataset: the epoch's fetcher, made when it began (its
+        #: iterator's state is the epoch's until a batch is received).
+        self.start_fetcher: Any = None
 
     def delivered(self, idx: int, worker_id: int | None, dataset_state: Any) -> None:
         """The consumer received the batch (or the error) at ``idx``."""

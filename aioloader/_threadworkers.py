@@ -290,7 +290,7 @@ class ThreadWorkers:
                 if not iterable:
                     raise
                 data = _worker.Exhausted(wid)
-                saved = copy.deepcopy(_worker.capture_end_state(state.dataset))
+                saved = copy.deepcopy(_worker.capture_end_state(state.dataset, state.fetcher))
             else:
                 if iterable:
                     # A copy: the iterator goes on changing its state after this batch.

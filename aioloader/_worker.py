@@ -23,6 +23,7 @@ import pickle
 import random
 import select
 import signal
+import struct
 import sys
 import sysconfig
 import threading
@@ -351,24 +352,37 @@ def seed_all(seed: int) -> None:
 
 
 def capture_state(fetcher: Any, dataset: Any) -> Any:
-    """An iterable dataset's resumable state: its iterator's ``state_dict()``, else its own."""
+    """An iterable dataset's resumable state: its iterator's ``state_dict()``, else its own.
+
+    ``(target, state)``, or ``(target, state, True)`` once the iterator ran dry while it built a
+    short last batch: the state is then the one the dataset left for its next iterator (it may
+    have reset its position), and a resumed epoch must not iterate it again (torchdata saves
+    the fetcher's ``ended`` too).
+    """
     it = getattr(fetcher, "dataset_iter", None)
     if callable(getattr(it, "state_dict", None)):
-        return ("iterator", it.state_dict())  # type: ignore[union-attr]
-    if callable(getattr(dataset, "state_dict", None)):
-        return ("dataset", dataset.state_dict())
-    return None
+        state: tuple[Any, ...] = ("iterator", it.state_dict())  # type: ignore[union-attr]
+    elif callable(getattr(dataset, "state_dict", None)):
+        state = ("dataset", dataset.state_dict())
+    else:
+        return None
+    return (*state, True) if getattr(fetcher, "ended", False) else state
 
 
-def capture_end_state(dataset: Any) -> Any:
+def capture_end_state(dataset: Any, fetcher: Any = None) -> Any:
     """An iterable dataset's own state once a worker's iterator ran dry, or None.
 
     What the next epoch starts from where the dataset lives on (``num_workers=0``, persistent
-    workers): its next iterator is a new one, so an iterator's state is not part of it.
+    workers): its next iterator is a new one, so an iterator's position is not part of it. But
+    what loading the spent iterator's state does (restore the worker's RNG, say) carries over
+    into the next epoch, as torchdata's resume does: ``("spent", dataset's or None, iterator's)``
+    when ``fetcher``'s iterator (not the dataset itself) has a state.
     """
-    if callable(getattr(dataset, "state_dict", None)):
-        return ("dataset", dataset.state_dict())
-    return None
+    own = dataset.state_dict() if callable(getattr(dataset, "state_dict", None)) else None
+    it = getattr(fetcher, "dataset_iter", None)
+    if it is not None and it is not dataset and callable(getattr(it, "state_dict", None)):
+        return ("spent", own, it.state_dict())
+    return ("dataset", own) if own is not None else None
 
 
 #: Walking a DataPipe graph (to seed, shard or copy it) swaps class-wide pickling hooks, so two
@@ -392,6 +406,8 @@ def make_fetcher(
         return _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
             _DatasetKind.Map, dataset, auto_collation, collate_fn, drop_last
         )
+    if resume is not None and resume[0] == "fetcher":
+        return resume[1]  # num_workers=0: made when the epoch began (see AsyncDataLoader)
     if shared_seed is not None and isinstance(dataset, IterDataPipe):
         # As torch does in every worker and in the main process: one seed per epoch, the same in
         # every worker, so a shuffler orders the whole stream once and sharding splits that order.
@@ -399,13 +415,20 @@ def make_fetcher(
         rng.manual_seed(shared_seed)
         with DATAPIPE_GRAPH_LOCK:
             graph_settings.apply_random_seed(dataset, rng)
-    if resume is not None and resume[0] == "dataset":
+    kind = resume[0] if resume is not None else None
+    if kind in ("dataset", "spent") and resume[1] is not None:
         dataset.load_state_dict(resume[1])  # before iter(): the new iterator starts from it
+    if kind == "spent":
+        # An epoch's end (capture_end_state): load the spent iterator's state into an iterator
+        # made for that, for what loading it does (as torchdata does), then start a new one.
+        iter(dataset).load_state_dict(resume[2])
     fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
         _DatasetKind.Iterable, dataset, auto_collation, collate_fn, drop_last
     )
-    if resume is not None and resume[0] == "iterator":
+    if kind == "iterator":
         fetcher.dataset_iter.load_state_dict(resume[1])
+    if kind in ("dataset", "iterator") and len(resume) > 2 and resume[2]:
+        fetcher.ended = True  # ran dry before the state was taken: the next fetch ends
     return fetcher
 
 
@@ -728,11 +751,14 @@ def init(
     pid_slots: Any,
     channels: Sequence[_transport.FdChannel] | None = None,
     ready_slots: Any = None,
+    start_errors: Any = None,
 ) -> None:
     """Executor initializer: seed, set worker info, run worker_init_fn. Never raises.
 
     ``ready_slots[worker_id]`` is set to 1 once this is done (the pool starts its second wave of
-    workers then, see ``WorkerPool``).
+    workers then, see ``WorkerPool``), 2 if it failed: the failure is then also written to this
+    worker's part of ``start_errors`` (see :func:`write_start_error`), for a worker that gets no
+    batch to report it with (a shared queue the other workers emptied).
 
     A failure (any ``BaseException`` from user code, ``SystemExit`` included) is stored and
     reported by every later fetch, so the consumer sees the original exception type (see
@@ -776,7 +802,41 @@ def init(
 
     setup(spec, worker_id, objects)
     if ready_slots is not None:
-        ready_slots[worker_id] = 1
+        failed = _state.init_error is not None
+        if failed and start_errors is not None:
+            write_start_error(start_errors, worker_id, _state.init_error)
+        ready_slots[worker_id] = 2 if failed else 1
+
+
+#: Bytes per worker in a pool's ``start_errors`` array (a longer traceback loses its middle).
+START_ERROR_BYTES = 4096
+
+
+def write_start_error(buf: Any, worker_id: int, err: RemoteError | None) -> None:
+    """Write ``err`` into worker ``worker_id``'s part of ``buf``: a length, then its pickle."""
+    assert err is not None
+    data = pickle.dumps(err)
+    room = START_ERROR_BYTES - 4
+    # Too long: the first line ("Caught ValueError in DataLoader worker process 3.") and the end
+    # of the traceback (the frames that raised, and the error itself) are what matter.
+    head, _, tail = err.exc_msg.partition("\n")
+    while len(data) > room and tail:
+        tail = tail[len(tail) // 2 :] if len(tail) > 1 else ""
+        data = pickle.dumps(err._replace(exc_msg=f"{head[:1000]}\n[...]\n{tail}"))
+    if len(data) <= room:
+        offset = worker_id * START_ERROR_BYTES
+        buf[offset + 4 : offset + 4 + len(data)] = data
+        buf[offset : offset + 4] = struct.pack("<I", len(data))
+
+
+def read_start_error(buf: Any, worker_id: int) -> RemoteError | None:
+    """What :func:`write_start_error` wrote for ``worker_id``, if anything. Runs in: main."""
+    offset = worker_id * START_ERROR_BYTES
+    (size,) = struct.unpack("<I", bytes(buf[offset : offset + 4]))
+    if size == 0:
+        return None
+    err: RemoteError = pickle.loads(bytes(buf[offset + 4 : offset + 4 + size]))
+    return err
 
 
 def setup(
@@ -912,7 +972,7 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
             try:
                 batch = _state.fetcher.fetch(indices)
             except StopIteration:
-                end = capture_end_state(_state.dataset)
+                end = capture_end_state(_state.dataset, _state.fetcher)
                 elapsed = time.perf_counter() - start
                 return Result(send_idx, epoch, wid, os.getpid(), Exhausted(wid), elapsed, end)
             state = capture_state(_state.fetcher, _state.dataset)

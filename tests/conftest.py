@@ -159,6 +159,9 @@ def _start_global_helpers() -> None:
     # multiprocessing's shared heap keeps its first small arena (and its fd) for the process's
     # life; the loader's shared counters come from it.
     _arena_keeper.append(multiprocessing.RawArray("q", 8))
+    # It also keeps every arena below 4 MiB it grows into (a pool's arrays, a worker's start-up
+    # errors among them, for many workers): grown once here, not by the first test that needs it.
+    multiprocessing.RawArray("b", 1 << 20)  # freed at once; its arena stays
     # uvloop opens a process-wide pipe the first time a loop is made.
     try:
         import uvloop

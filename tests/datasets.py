@@ -270,6 +270,13 @@ def failing_worker_init(worker_id: int) -> None:
     raise OSError(f"init failed in {worker_id}")
 
 
+def late_failing_worker_init(worker_id: int) -> None:
+    """Worker 1 fails its start after the others could take every batch (r4_02)."""
+    if worker_id == 1:
+        time.sleep(1.0)
+        raise ValueError(f"init failed late in {worker_id}")
+
+
 def failing_collate(batch: list[Any]) -> Any:
     raise TypeError("collate rejected the batch")
 

@@ -182,6 +182,97 @@ class RandomPicks(IterableDataset[int]):
         torch.set_rng_state(state["rng"])
 
 
+class _Picks:
+    """An iterator over ``n`` draws from the global torch RNG, which its state keeps."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.i = 0
+
+    def __iter__(self) -> _Picks:
+        return self
+
+    def __next__(self) -> int:
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return int(torch.randint(1000, (1,)).item())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"i": self.i, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.i = state["i"]
+        torch.set_rng_state(state["rng"])
+
+
+class PicksOnIterator(IterableDataset[int]):
+    """:class:`RandomPicks` with the state on the iterator ``__iter__`` returns."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> _Picks:
+        return _Picks(self.n)
+
+
+class PicksPerWorker(IterableDataset[tuple[int, int]]):
+    """``n`` draws per worker from its torch RNG, tagged with the worker id; the position and the
+    RNG are the dataset's state, the position reset when it runs dry (as docs/resume.md asks)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.i = 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        info = get_worker_info()
+        wid = info.id if info is not None else 0
+        while self.i < self.n:
+            self.i += 1
+            yield wid, int(torch.randint(1000, (1,)).item())
+        self.i = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"i": self.i, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.i = state["i"]
+        torch.set_rng_state(state["rng"])
+
+
+class PicksPerWorkerOnIterator(IterableDataset[int]):
+    """:class:`PicksOnIterator` in workers: the worker's RNG is in its iterator's state."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> _Picks:
+        return _Picks(self.n)
+
+
+class SetUpInIter(IterableDataset[int]):
+    """Its own iterator, whose position (and so its state) exists once ``__iter__`` ran."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> SetUpInIter:
+        self.pos = 0
+        return self
+
+    def __next__(self) -> int:
+        if self.pos >= self.n:
+            raise StopIteration
+        self.pos += 1
+        return self.pos - 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
 class EpochTagged(IterableDataset[tuple[int, int, int]]):
     """Each worker's shard of ``range(n)`` tagged with how many epochs this replica has run.
 

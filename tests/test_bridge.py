@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,31 @@ def test_plain_for_names_async_for_and_the_bridge() -> None:
     with pytest.raises(TypeError, match=r"async for batch in loader.*loader\.sync\(\)"):
         for _ in loader:  # type: ignore[attr-defined]
             pass
+
+
+async def test_async_for_over_the_bridge_names_the_loader_itself() -> None:
+    loader = AsyncDataLoader(datasets.RangeDataset(4))
+    with pytest.raises(TypeError, match=r"synchronous code.*`async for batch in loader:`"):
+        async for _ in loader.sync():
+            pass
+    assert bridge_threads() == []
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="needs a machine with no accelerator")
+def test_the_pin_memory_warning_comes_once_per_loader_at_the_callers_line() -> None:
+    """torch's persistent iterator warns once; through the bridge the warning names the caller's
+    `for` line, not the bridge's thread."""
+    bridge = AsyncDataLoader(
+        datasets.RangeDataset(4), batch_size=2, num_workers=1, persistent_workers=True,
+        pin_memory=True,
+    ).sync()  # fmt: skip
+    with bridge, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for _ in bridge:
+                pass
+    pins = [w for w in caught if "no accelerator is found" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in pins] == [(__file__, pins[0].lineno)]
 
 
 async def test_bridge_refuses_inside_a_running_loop() -> None:

@@ -80,6 +80,34 @@ async def test_collate_and_init_errors_keep_their_type() -> None:
         assert "in DataLoader worker process" in str(info.value)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+async def test_init_error_of_a_worker_that_gets_no_batch_is_raised_at_the_end(
+    persistent: bool,
+) -> None:
+    """in_order=False shares one queue: worker 1, still starting, gets no batch. torch gives
+    each worker batches in turn and so raises its worker_init_fn error; here the end does."""
+    loader = AsyncDataLoader(
+        datasets.RangeDataset(4),
+        batch_size=2,
+        num_workers=2,
+        in_order=False,
+        persistent_workers=persistent,
+        worker_init_fn=datasets.late_failing_worker_init,
+        multiprocessing_context="fork",
+    )
+    message = "Caught ValueError in DataLoader worker process 1"
+    async with loader, asyncio.timeout(60):
+        got = []
+        with pytest.raises(ValueError, match=message):
+            async for batch in loader:
+                got.append(batch.flatten().tolist())
+        assert sorted(got) == [[0, 1], [2, 3]]
+        if persistent:  # every epoch, as torch (worker 1 may now take a batch, and raise there)
+            with pytest.raises(ValueError, match=message):
+                async for _ in loader:
+                    pass
+
+
 async def test_iterable_error_keeps_type() -> None:
     async with AsyncDataLoader(datasets.RaisingIterable(), num_workers=1) as loader:
         with pytest.raises(KeyError, match="stream broke"):

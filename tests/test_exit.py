@@ -389,3 +389,42 @@ def test_stale_lane_results_read_on_a_later_loop_are_dropped_quietly() -> None:
     assert done.returncode == 0, done.stderr
     assert "second epoch whole: True" in done.stdout, done.stdout + done.stderr
     assert "callback errors: 0" in done.stdout, done.stdout + done.stderr
+
+
+STARTING_AT_EXIT = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    import torch
+    from torch.utils.data import Dataset
+    from aioloader import AsyncDataLoader
+
+    class Idx(Dataset):
+        def __len__(self):
+            return 100
+        def __getitem__(self, i):
+            return torch.tensor([i])
+
+    def slow_init(worker_id):
+        time.sleep(60)
+
+    if __name__ == "__main__":
+        loader = AsyncDataLoader(Idx(), batch_size=4, num_workers=2, persistent_workers=True,
+                                 worker_init_fn=slow_init, multiprocessing_context="fork").sync()
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # the user's ^C
+        try:
+            for batch in loader:
+                pass
+        except KeyboardInterrupt:
+            pass
+        print(time.time(), flush=True)  # left open: the interpreter exits now
+    """
+)
+
+
+def test_workers_still_starting_at_exit_do_not_hold_the_interpreter() -> None:
+    """r4_bridge_exit_waits_startup: concurrent.futures' exit hook joins the workers, which were
+    still in a 60 s worker_init_fn: they are killed first, as for a loader left open."""
+    out = _run(STARTING_AT_EXIT, timeout=45)
+    exited = time.time()
+    assert out.returncode == 0, out.stderr
+    assert exited - float(out.stdout.split()[-1]) < 10

@@ -55,6 +55,34 @@ async def test_a_state_taken_before_the_first_batch_holds_the_datasets_own_state
     assert got == expected
 
 
+async def test_a_state_before_the_first_batch_holds_the_iterators_state() -> None:
+    """r4_td_iter_state_epoch_start: num_workers=0 makes the dataset's iterator in iter(loader),
+    as torch and torchdata do, and a state taken then holds that iterator's state (here the
+    global RNG its draws come from)."""
+    torch.manual_seed(0)
+    async with AsyncDataLoader(rd.PicksOnIterator(8), batch_size=None) as loader:
+        it = loader.__aiter__()
+        state = copy.deepcopy(loader.state_dict())  # holds a tensor (the RNG): not JSON
+        async with asyncio.timeout(30):
+            expected = [b async for b in it]
+    assert state["worker_states"], "the iterator's state at the epoch's start was not saved"
+    torch.manual_seed(12345)  # a new process's RNG is not the one the state was taken under
+    async with AsyncDataLoader(rd.PicksOnIterator(8), batch_size=None) as loader:
+        loader.load_state_dict(state)
+        assert await _take(loader) == expected
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+async def test_plain_iteration_asks_no_state_before_iter(workers: int) -> None:
+    """r4_td_state_dict_before_iter: torch never calls state_dict(); torchdata only after
+    iter(dataset). A dataset whose state exists once __iter__ ran iterates as in torch."""
+    kw: dict[str, Any] = {"batch_size": 4, "num_workers": workers}
+    expected = [b.tolist() for b in DataLoader(rd.SetUpInIter(10), batch_size=4)]
+    async with AsyncDataLoader(rd.SetUpInIter(10), **kw) as loader:
+        got = await _take(loader)
+    assert sorted(got) == sorted(expected * max(1, workers))  # each worker yields it all
+
+
 @pytest.mark.parametrize(
     ("workers", "persistent"), [(0, False), (2, True), (2, False)], ids=["0", "2-persistent", "2"]
 )
@@ -134,3 +162,70 @@ async def test_batch_seeding_is_reproducible_when_iterable_workers_run_dry_apart
         loader.load_state_dict(state)
         rest = await _take(loader)
     assert head + rest == runs[0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+async def test_a_state_after_a_short_last_batch_resumes_with_that_worker_ended(
+    workers: int,
+) -> None:
+    """r4_03: building a short last batch ran the iterator dry, and the dataset reset its
+    position (as docs/resume.md asks). The state after that batch says the worker ended (as
+    torchdata's fetcher state does): the resumed epoch delivers only the rest, and the next
+    epoch starts over."""
+    kw: dict[str, Any] = {"batch_size": 2, "num_workers": workers}
+    if workers:
+        kw["multiprocessing_context"] = "fork"
+    async with AsyncDataLoader(rd.DatasetLevelState(5), **kw) as loader:
+        full = await _take(loader)
+        second = await _take(loader)
+    # Right after a short last batch: worker 0's (worker 1's still to come), or the epoch's last.
+    stop = len(full) - 1 if workers else len(full)
+    async with AsyncDataLoader(rd.DatasetLevelState(5), **kw) as loader:
+        head = await _take(loader, stop)
+        await asyncio.sleep(0.3)  # in-flight results arrive: the state is the received one's
+        state = _json(loader.state_dict())
+    async with AsyncDataLoader(rd.DatasetLevelState(5), **kw) as loader:
+        loader.load_state_dict(state)
+        rest = await _take(loader)
+        after = await _take(loader)
+    assert sorted(head + rest) == sorted(full)
+    assert sorted(after) == sorted(second)
+
+
+def _persistent(dataset: Any) -> AsyncDataLoader[Any]:
+    return AsyncDataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+        generator=torch.Generator().manual_seed(4),
+    )
+
+
+async def test_an_epoch_start_state_reloaded_into_the_same_persistent_loader_repeats_it() -> None:
+    """r4_td_pw_reload_epoch_start: the kept workers' replicas and RNGs moved on with the epoch;
+    after load_state_dict the next epoch starts new workers, as a new loader (and torchdata)."""
+    async with _persistent(rd.PicksPerWorker(4)) as loader:
+        it = loader.__aiter__()
+        state = copy.deepcopy(loader.state_dict())  # before the first batch
+        async with asyncio.timeout(60):
+            expected = _plain([b async for b in it])
+        loader.load_state_dict(state)
+        again = _plain(await _take(loader))
+    assert again == expected
+
+
+async def test_an_epoch_end_state_carries_the_iterators_state_of_persistent_workers() -> None:
+    """r4_td_iter_state_epoch_end_pw: in torch a persistent worker's RNG carries into the next
+    epoch; here it is in the state of the iterator __iter__ returned. The end state holds it
+    (torchdata's does), so a new loader resumed from it gives the uninterrupted next epoch."""
+    async with _persistent(rd.PicksPerWorkerOnIterator(4)) as loader:
+        first = await _take(loader)
+        state = copy.deepcopy(loader.state_dict())
+        second = await _take(loader)
+    assert sorted(state["worker_states"]) == ["0", "1"]
+    async with _persistent(rd.PicksPerWorkerOnIterator(4)) as loader:
+        loader.load_state_dict(state)
+        resumed = await _take(loader)
+    assert resumed == second != first

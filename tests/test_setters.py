@@ -4,11 +4,15 @@ next epoch runs with the new value."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
 
 from aioloader import AsyncDataLoader
-from tests import datasets
+from aioloader._records import Plan
+from tests import datasets, stream_sources
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, "2", True, None])
@@ -97,3 +101,136 @@ async def test_settings_changed_during_an_epoch_reach_the_next_one_not_the_runni
         with pytest.raises(TimeoutError):
             async for _ in loader:
                 pass
+
+
+def _collate(batch: list[Any]) -> Any:
+    return batch
+
+
+def _init(worker_id: int) -> None:
+    pass
+
+
+def _transform(sample: Any) -> Any:
+    return sample
+
+
+_MAP: dict[str, Any] = {"batch_size": 2, "num_workers": 2}
+_STREAM: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "max_batch_latency": 1.0}
+
+# (attribute, constructor kwargs, value set between epochs, what the next plan shows: a check of
+# it, or the error (type, message) the next epoch raises). Every settable attribute has a row
+# with a good value; test_the_table_covers_every_settable_attribute keeps it so.
+_SETTERS: list[tuple[str, dict[str, Any], Any, Callable[[Plan], bool] | tuple[type, str]]] = [
+    ("num_workers", _MAP, 3, lambda p: p.num_workers == 3 and p.max_in_flight == 6),
+    ("num_workers", _MAP, -1, (ValueError, "num_workers option should be non-negative")),
+    ("prefetch_factor", _MAP, 3, lambda p: p.max_in_flight == 6),
+    ("collate_fn", _MAP, _collate, lambda p: p.collate_fn is _collate),
+    ("pin_memory", _MAP, True, lambda p: p.pin_memory),
+    ("timeout", _MAP, 5, lambda p: p.timeout == 5),
+    ("timeout", _MAP, -1, (ValueError, "timeout option should be non-negative")),
+    ("worker_init_fn", _MAP, _init, lambda p: p.worker_init_fn is _init),
+    (
+        "multiprocessing_context",
+        _MAP,
+        "spawn",
+        lambda p: p.mp_context.get_start_method() == "spawn",
+    ),
+    ("generator", _MAP, torch.Generator(), lambda p: p.generator is not None),
+    ("pin_memory_device", _MAP, "cuda", lambda p: p.pin_memory_device == "cuda"),
+    # r4_01: the round-robin assignment (torch's) follows in_order and seeding set later.
+    ("in_order", {**_MAP, "in_order": False}, True, lambda p: p.in_order and p.pinned_workers),
+    ("in_order", _MAP, False, lambda p: not p.in_order and not p.pinned_workers),
+    ("seeding", {**_MAP, "seeding": "batch"}, "worker", lambda p: p.pinned_workers),
+    ("seeding", _MAP, "batch", lambda p: p.seeding == "batch" and not p.pinned_workers),
+    ("seeding", _MAP, "epoch", (ValueError, "seeding should be")),
+    ("executor", _MAP, "thread", lambda p: p.executor == "thread"),
+    ("executor", _MAP, "threads", (ValueError, "executor should be")),
+    ("worker_nice", _MAP, 7, lambda p: p.worker_nice == 7),
+    ("worker_nice", _MAP, 20, (ValueError, "worker_nice should be")),
+    ("device", _MAP, "cpu", lambda p: p.device == "cpu"),
+    ("device", _MAP, "nowhere", (ValueError, "not a valid torch device")),
+    ("device_prefetch", _MAP, 3, lambda p: p.device_prefetch == 3),
+    ("device_prefetch", _MAP, 0, (ValueError, "device_prefetch should be")),
+    ("max_worker_restarts", _MAP, 0, lambda p: p.max_worker_restarts == 0),
+    ("max_worker_restarts", _MAP, -1, (ValueError, "max_worker_restarts should be")),
+    ("transform", _STREAM, _transform, lambda p: p.stream is not None and p.stream.transformed),
+    ("transform", _MAP, _transform, (ValueError, "applies to async sources only")),
+    (
+        "max_batch_latency",
+        _STREAM,
+        0.5,
+        lambda p: p.stream is not None and p.stream.max_batch_latency == 0.5,
+    ),
+    ("max_batch_latency", _STREAM, -1, (ValueError, "max_batch_latency")),
+    (
+        "source_concurrency",
+        _STREAM,
+        4,
+        lambda p: p.stream is not None and p.stream.source_concurrency == 4,
+    ),
+    ("source_concurrency", _STREAM, 0, (ValueError, "source_concurrency should be")),
+]
+
+
+def _id(value: object) -> str:
+    if isinstance(value, (int, float, str)):
+        return repr(value)
+    return str(getattr(value, "__name__", type(value).__name__))
+
+
+def _made(kwargs: dict[str, Any]) -> AsyncDataLoader[Any]:
+    if kwargs is _STREAM:
+        return AsyncDataLoader(stream_sources.Counting(8), **kwargs)
+    return AsyncDataLoader(datasets.RangeDataset(8), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "value", "expect"),
+    _SETTERS,
+    ids=[f"{row[0]}={_id(row[2])}" for row in _SETTERS],
+)
+def test_every_setter_reaches_the_next_epochs_plan(
+    name: str,
+    kwargs: dict[str, Any],
+    value: Any,
+    expect: Callable[[Plan], bool] | tuple[type, str],
+) -> None:
+    """Every derived field is built with the plan, from the attributes as they are now."""
+    loader = _made(kwargs)
+    before = loader._plan()
+    if isinstance(expect, tuple):  # refused when set, or by the next epoch
+        with pytest.raises(expect[0], match=expect[1]):
+            setattr(loader, name, value)
+            loader._plan()
+        return
+    setattr(loader, name, value)
+    assert not expect(before)
+    assert expect(loader._plan())
+
+
+def test_the_table_covers_every_settable_attribute() -> None:
+    loader = _made(_MAP)
+    settable = {k for k in vars(loader) if not k.startswith("_")}
+    for cls in type(loader).__mro__:
+        for k, v in vars(cls).items():
+            if isinstance(v, property) and v.fset is not None and not k.startswith("_"):
+                try:
+                    setattr(_made(_MAP), k, getattr(loader, k))
+                except ValueError as exc:
+                    assert "should not be set after" in str(exc)
+                else:
+                    settable.add(k)
+    assert settable == {row[0] for row in _SETTERS}
+
+
+async def test_in_order_set_later_loads_batch_k_on_worker_k_mod_n() -> None:
+    """r4_01: torch's round-robin (which decides worker-seeded augmentations) after in_order=True
+    on a loader made with in_order=False."""
+    loader = AsyncDataLoader(
+        datasets.WorkerInfoDataset(), batch_size=None, num_workers=2, in_order=False
+    )
+    loader.in_order = True
+    async with loader, asyncio.timeout(60):
+        workers = [int(row[1]) async for row in loader]
+    assert workers == [k % 2 for k in range(len(workers))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import multiprocessing
 import os
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from aioloader import AsyncDataLoader, _worker
+from aioloader import AsyncDataLoader, _transport, _worker
 from tests import datasets
 from tests.conftest import collect
 
@@ -140,6 +141,33 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def test_main_guarded_objects_of_a_script_go_by_value(tmp_path: Any) -> None:
+    """A script's classes and functions, defined under its `if __name__ == "__main__":`.
+
+    Plain pickle names them by reference, which a spawned worker cannot resolve: its re-import
+    of the script skips that block. They go by value (cloudpickle), as from a notebook.
+    """
+    body = "\n".join("    " + line for line in SCRIPT.strip().splitlines())
+    body = body.replace("lambda b: torch.stack(b).sum()", "total")
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        "if __name__ == '__main__':\n"
+        "    def total(b):\n"
+        "        return torch.stack(b).sum()\n"
+        f"{body}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), "spawn"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([0 + 1 + 4 + 9 + 16, 25 + 36 + 49 + 64 + 81])
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_main_module_objects_work_under_spawn_and_forkserver(method: str) -> None:
     out = subprocess.run(
@@ -170,7 +198,48 @@ async def test_unpicklable_dataset_under_spawn_names_the_problem() -> None:
     async with loader:
         with pytest.raises(TypeError, match="lock") as info:
             await collect(loader)
-    assert "cannot be sent to worker processes" in "".join(getattr(info.value, "__notes__", []))
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "cannot be sent to worker processes" in notes
+    # The note names the attribute and how to avoid sending it.
+    assert "dataset.lock" in notes and "worker_init_fn" in notes and "lazily" in notes
+
+
+class _OpenFileDataset(torch.utils.data.Dataset[int]):
+    """Keeps a text file open (a log): an importable class, as in a real project."""
+
+    def __init__(self, path: str) -> None:
+        self.files = {"log": open(path, "a+")}  # noqa: SIM115
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@pytest.mark.parametrize("collate", [None, lambda b: b], ids=["plain-pickle", "with-a-lambda"])
+def test_open_file_in_dataset_is_refused_not_copied(tmp_path: Any, collate: Any) -> None:
+    """torch's pickling error for an open file; cloudpickle would send an in-memory copy of it.
+
+    The lambda makes the payload go by value (cloudpickle), which must refuse the file too.
+    """
+    ds = _OpenFileDataset(str(tmp_path / "log.txt"))
+    try:
+        with pytest.raises(TypeError, match=r"cannot pickle '_io\.TextIOWrapper' object") as info:
+            _transport.dump_payload((ds, collate, None))
+    finally:
+        ds.files["log"].close()
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "dataset.files['log']" in notes and "worker_init_fn" in notes, notes
+
+
+def test_unpicklable_worker_init_fn_note_names_it() -> None:
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="lock") as info:
+        _transport.dump_payload((datasets.RangeDataset(4), None, functools.partial(print, lock)))
+    assert "worker_init_fn" in "".join(getattr(info.value, "__notes__", []))
 
 
 async def test_default_collate_skips_shared_memory_only_for_small_batches() -> None:
