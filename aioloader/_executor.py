@@ -486,6 +486,7 @@ class WorkerPool:
             # A pinned worker's batches and results travel over its lane (see _procpool.Lane),
             # written and read by the event loop, never through the executor's threads.
             lane=self._per_worker,
+            lane_depth=spec.lane_depth,
             initializer=_worker.init,
             initargs=(
                 spec,

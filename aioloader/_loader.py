@@ -21,7 +21,6 @@ import inspect
 import logging
 import multiprocessing
 import os
-import pickle
 import sys
 import threading
 import time
@@ -53,7 +52,7 @@ from ._errors import EpochEndedError, LoaderClosedError
 from ._executor import WorkerPool
 from ._phase import Phase
 from ._records import Counters, LoaderStats, Plan, StreamInput
-from ._remote import FetchPolicy, InWorkers, check_policy, ensure_picklable
+from ._remote import FetchPolicy, InWorkers, check_no_client, check_policy
 from ._resume import Position, Progress, Start
 from ._stream import check_latency, source_kind
 from ._threadworkers import ThreadWorkers
@@ -277,7 +276,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             stream.policy if stream is not None else (remote.policy if remote is not None else None)
         )
         self._torch = torch_loader
-        self._is_iterable = isinstance(torch_loader.dataset, IterableDataset)
+        # An AsyncIterableDataset read on this loop is a stream (its windows go to the workers
+        # as Samples), not an IterableDataset the workers iterate.
+        self._is_iterable = isinstance(torch_loader.dataset, IterableDataset) and stream is None
         if remote is not None and self._is_iterable and executor == "thread":
             raise ValueError(
                 "executor='thread' cannot iterate an IterableDataset's __aiter__ in its workers "
@@ -591,12 +592,15 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         torch_loader = self._torch
         promised = torch_loader._IterableDataset_len_called if self._is_iterable else None
         in_flight = prefetch * workers if prefetch is not None and workers > 0 else 1
-        if workers == 0 and stream is not None and stream.kind == "map":
+        if stream is not None and stream.kind == "map":
             # Fetched on this loop, where a batch costs latency, not CPU: enough batches in
             # flight to keep source_concurrency requests going (one more to cover the gap
             # while the consumer takes a batch), as a worker's look-ahead does.
-            per_batch = max(1, self.batch_size or 1)
-            in_flight = -(-self.source_concurrency // per_batch) + 1
+            per_batch = self.batch_size or getattr(self.batch_sampler, "batch_size", None)
+            if isinstance(per_batch, int) and per_batch > 0:
+                in_flight = max(in_flight, -(-self.source_concurrency // per_batch) + 1)
+            else:  # a batch sampler of unknown batch size: as torch's default prefetch
+                in_flight = max(in_flight, 2)
         return Plan(
             num_workers=workers,
             max_in_flight=in_flight,
@@ -993,6 +997,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             fixed_worker_id=None,
             rank=rank,
             world_size=world_size,
+            lane_depth=max(2, plan.max_in_flight // max(1, plan.num_workers))
+            if self._remote is not None
+            else 2,
         )
 
     def _worker_dataset(self) -> Any:
@@ -1388,7 +1395,7 @@ def _stream_input(
                     f"__aiter__, iterated in each worker) {reason}; use fetch_in='loop' to read "
                     "it on this event loop as a stream"
                 )
-            ensure_picklable(dataset, _dumps)
+            check_no_client(dataset)
             concurrency = int(source_concurrency)  # type: ignore[call-overload]
             return None, InWorkers(dataset, policy, concurrency, transform)
     if kind == "map":
@@ -1407,7 +1414,7 @@ def _stream_input(
                     f"{type(dataset).__name__} has ack(): acknowledged samples are read on this "
                     "event loop, so use fetch_in='loop'"
                 )
-            ensure_picklable(dataset, _dumps)
+            check_no_client(dataset)
             concurrency = int(source_concurrency)  # type: ignore[call-overload]
             return None, InWorkers(dataset, policy, concurrency, transform)
     stream = StreamInput(
@@ -1420,16 +1427,6 @@ def _stream_input(
         policy=policy,
     )
     return stream, None
-
-
-def _dumps(obj: object) -> bytes:
-    """Pickled as the workers' payload is: by reference where it can be, else by value."""
-    try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        import cloudpickle  # type: ignore[import-untyped, unused-ignore]
-
-        return cloudpickle.dumps(obj)  # type: ignore[no-any-return]
 
 
 def _require_asyncio() -> None:

@@ -253,7 +253,10 @@ class Lane:
     or is killed, or cancelled while it still waits in this process.
     """
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, depth: int = LANE_DEPTH) -> None:
+        #: Tasks written ahead into the worker's pipe (more for a worker that fetches
+        #: asynchronously: it starts the requests of every task it holds, see ``_ahead``).
+        self.depth = max(1, depth)
         self.call_r, self.call_w = ctx.Pipe(duplex=False)
         self.result_r, self.result_w = ctx.Pipe(duplex=False)
         _remember(self.call_r, self.call_w, self.result_r, self.result_w)
@@ -362,7 +365,7 @@ class Lane:
             self._flush()
 
     def _pump(self) -> None:
-        """Write queued tasks while fewer than LANE_DEPTH are with the worker. Runs in: loop."""
+        """Write queued tasks while fewer than ``depth`` are with the worker. Runs in: loop."""
         if self._loop is None or self._closed:
             return
         out = self._out
@@ -371,7 +374,7 @@ class Lane:
                 if not self._open or not self._queued or self._broken is not None:
                     break
                 # A post waits for nothing but the tasks ahead of it (it adds no result).
-                if self._queued[0][1] is not None and len(self._pending) >= LANE_DEPTH:
+                if self._queued[0][1] is not None and len(self._pending) >= self.depth:
                     break
                 work_id, fut, data = self._queued.popleft()
                 if fut is not None:
@@ -723,6 +726,7 @@ class Executor(ProcessPoolExecutor):
         *args: Any,
         sigterm_grace: float | None = SIGTERM_GRACE_S,
         lane: bool = False,
+        lane_depth: int = LANE_DEPTH,
         **kwargs: Any,
     ) -> None:
         _alive.add(self)
@@ -736,7 +740,7 @@ class Executor(ProcessPoolExecutor):
         if lane:
             if self._max_workers != 1 or self._max_tasks_per_child is not None:  # type: ignore[attr-defined]
                 raise ValueError("a lane serves an executor of one process, never replaced")
-            self._lane = Lane(self._mp_context)
+            self._lane = Lane(self._mp_context, lane_depth)
             queue: Any = self._call_queue  # type: ignore[attr-defined]
             queue.__class__ = _LaneCallQueue
             queue.lane_in, queue.lane_out = self._lane.worker_args()

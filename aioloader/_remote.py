@@ -22,9 +22,11 @@ import inspect
 import math
 import os
 import random
+import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,12 +36,17 @@ from . import _ahead
 
 _T_co = TypeVar("_T_co", covariant=True)
 
+#: Backoff jitter draws from a generator of its own: a retry must not shift the draws of the
+#: worker's seeded ``random`` (its augmentations) nor of the user's.
+_JITTER = random.Random()
+
 __all__ = (
     "AsyncIterableDataset",
     "FetchPolicy",
     "InWorkers",
     "SampleFetcher",
     "WorkerFetcher",
+    "check_no_client",
     "check_policy",
     "is_transient",
 )
@@ -73,6 +80,7 @@ _TRANSIENT_ERRNO = frozenset(
         errno.EHOSTUNREACH,
         errno.ENETUNREACH,
         errno.ENETDOWN,
+        socket.EAI_AGAIN,  # a name lookup that may succeed in a moment
     }
 )
 #: Connection-level errors of aiohttp, httpx and botocore, by class name so that none of them
@@ -88,6 +96,23 @@ _TRANSIENT_NAMES = frozenset(
         "ReadTimeoutError",
         "ConnectTimeoutError",
         "ResponseStreamingError",
+        "HTTPClientError",
+        "ProxyConnectionError",
+        "IncompleteReadError",  # asyncio's and botocore's: the body broke off
+    }
+)
+#: Connection errors that a repeat cannot mend (a certificate or fingerprint mismatch).
+_PERMANENT_NAMES = frozenset(
+    {
+        "ClientConnectorCertificateError",
+        "ClientConnectorSSLError",
+        "ClientSSLError",
+        "ServerFingerprintMismatch",
+        "SSLCertVerificationError",
+        "InvalidURL",
+        "UnsupportedProtocol",
+        "LocalProtocolError",
+        "InvalidURLClientError",
     }
 )
 
@@ -95,7 +120,9 @@ _TRANSIENT_NAMES = frozenset(
 def _status(exc: BaseException) -> int | None:
     """The HTTP status an exception carries, where it carries one (aiohttp, httpx, botocore,
     urllib)."""
-    for attr in ("status", "status_code", "code"):
+    # ``code`` is urllib's HTTPError's; elsewhere it is often an application's own number.
+    attrs = ("status", "status_code", "code") if "HTTP" in type(exc).__name__ else ("status",)
+    for attr in attrs:
         value = getattr(exc, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
             return value
@@ -113,10 +140,15 @@ def _status(exc: BaseException) -> int | None:
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a failed request is worth repeating: a timeout, a refused or reset connection, a
-    5xx or 429 status (S3's 503 SlowDown included). A 4xx (404 missing key, 403 denied) and any
-    error from the dataset's own code are not.
+    body cut short, a 5xx or 429 status (S3's 503 SlowDown included). A 4xx (404 missing key,
+    403 denied), a certificate error and any error from the dataset's own code are not.
+    obstore's errors are not either: obstore retries by itself (its ``retry_config``), so what
+    it raises is what is left after its retries.
     """
     if not isinstance(exc, Exception):
+        return False
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & _PERMANENT_NAMES:
         return False
     if isinstance(exc, TimeoutError):  # asyncio.TimeoutError is TimeoutError too
         return True
@@ -128,11 +160,11 @@ def is_transient(exc: BaseException) -> bool:
     status = _status(exc)
     if status is not None:
         return status in _TRANSIENT_STATUS or status >= 500
+    if isinstance(exc, OSError) and exc.errno is not None:  # the errno says (EPERM: no)
+        return exc.errno in _TRANSIENT_ERRNO
     if isinstance(exc, ConnectionError):
         return True
-    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO:
-        return True
-    return any(cls.__name__ in _TRANSIENT_NAMES for cls in type(exc).__mro__)
+    return bool(names & _TRANSIENT_NAMES)
 
 
 @dataclass(frozen=True)
@@ -162,9 +194,11 @@ class FetchPolicy:
     hedge: float | None = None
     hedge_min_calls: int = 50
 
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before repeat number ``attempt`` (1 for the first)."""
-        return random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before repeat number ``attempt`` (1 for the first). ``rng``: the
+        jitter's generator (the loader's own: never the worker's seeded ``random``)."""
+        cap = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+        return (rng or _JITTER).uniform(0, cap)
 
 
 def check_policy(policy: object) -> FetchPolicy:
@@ -205,7 +239,11 @@ def check_policy(policy: object) -> FetchPolicy:
                 f"FetchPolicy.hedge should be a quantile in [0.5, 1) (0.99: hedge the slowest "
                 f"1 % of calls), or None, got {policy.hedge!r}"
             )
-    if not isinstance(policy.hedge_min_calls, int) or policy.hedge_min_calls < 1:
+    if (
+        not isinstance(policy.hedge_min_calls, int)
+        or isinstance(policy.hedge_min_calls, bool)
+        or policy.hedge_min_calls < 1
+    ):
         raise ValueError(
             f"FetchPolicy.hedge_min_calls should be a positive int, got {policy.hedge_min_calls!r}"
         )
@@ -237,6 +275,81 @@ class _Latency:
             value = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
             self._cache[q] = value
         return value
+
+
+class _Entries:
+    """Who holds a dataset object's async context in this process: one event loop at a time,
+    counted, so that two epochs reading the same object on one loop share one client and the
+    last to end closes it."""
+
+    _held: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    @classmethod
+    async def enter(cls, dataset: Any) -> None:
+        loop = asyncio.get_running_loop()
+        with cls._lock:
+            held = cls._held.get(dataset)
+            if held is not None:
+                if held[0] is not loop:
+                    raise RuntimeError(
+                        f"{type(dataset).__name__}'s client (its __aenter__) is open on another "
+                        "event loop: two epochs of the same dataset object overlap on different "
+                        "loops (a thread executor's, or another thread's). Give each its own "
+                        "dataset object, or let the first epoch end"
+                    )
+                held[1] += 1
+                first = False
+            else:
+                # [loop, holders, entered (an Event), the error __aenter__ raised]
+                held = [loop, 1, asyncio.Event(), None]
+                cls._held[dataset] = held
+                first = True
+        if not first:
+            await held[2].wait()  # the first holder's __aenter__ is done
+            if held[3] is not None:
+                raise held[3]
+            return
+        try:
+            await dataset.__aenter__()
+        except BaseException as exc:
+            with cls._lock:
+                cls._held.pop(dataset, None)
+            held[3] = exc
+            held[2].set()
+            raise
+        held[2].set()
+
+    @classmethod
+    def forget(cls) -> None:
+        """In a forked child: the parent's contexts are not this process's to close."""
+        cls._held = weakref.WeakKeyDictionary()
+        cls._lock = threading.Lock()
+
+    @classmethod
+    async def leave(cls, dataset: Any) -> None:
+        with cls._lock:
+            held = cls._held.get(dataset)
+            if held is None:
+                return
+            held[1] -= 1
+            if held[1] > 0:
+                return
+            del cls._held[dataset]
+        await held[2].wait()  # an __aenter__ still running finishes first
+        await dataset.__aexit__(None, None, None)
+
+
+os.register_at_fork(after_in_child=_Entries.forget)
+
+
+async def _contained(coro: Any) -> Any:
+    """``await coro`` in a task of its own: a ``SystemExit`` or ``KeyboardInterrupt`` from the
+    dataset would leave such a task by stopping its event loop; it travels as ``_Escaped``."""
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise _Escaped(exc) from exc
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -272,17 +385,25 @@ class SampleFetcher:
             return
         async with self._enter_lock:
             if not self._entered:
-                await self.dataset.__aenter__()
+                await _Entries.enter(self.dataset)
                 self._entered = True
 
     async def close(self) -> None:
         """Leave the dataset's async context if it was entered (its client closes here)."""
         if self._entered:
             self._entered = False
-            await self.dataset.__aexit__(None, None, None)
+            await _Entries.leave(self.dataset)
 
     async def samples(self, indices: Any, batched: bool) -> list[Any]:
-        """The samples of one batch (``batched``) or the one sample of ``indices``, in order."""
+        """The samples of one batch (``batched``) or the one sample of ``indices``, in order.
+
+        A ``SystemExit`` or ``KeyboardInterrupt`` from the dataset is raised as itself."""
+        try:
+            return await self._samples(indices, batched)
+        except _Escaped as escaped:
+            raise escaped.exc from None
+
+    async def _samples(self, indices: Any, batched: bool) -> list[Any]:
         await self.open()
         if not batched:
             return [await self._with_retries(indices, self._hedged, indices)]
@@ -293,7 +414,8 @@ class SampleFetcher:
                 await self._with_retries(what, lambda _: self._attempt(getitems, what), what)
             )
         tasks = [
-            asyncio.ensure_future(self._with_retries(idx, self._hedged, idx)) for idx in indices
+            asyncio.ensure_future(_contained(self._with_retries(idx, self._hedged, idx)))
+            for idx in indices
         ]
         try:
             return list(await asyncio.gather(*tasks))
@@ -320,7 +442,7 @@ class SampleFetcher:
                     raise
             attempt += 1
             self.retried += 1
-            await asyncio.sleep(policy.delay(attempt))
+            await asyncio.sleep(policy.delay(attempt, _JITTER))
 
     async def _attempt(self, call: Callable[[Any], Any], arg: Any) -> Any:
         self.requests += 1
@@ -341,31 +463,52 @@ class SampleFetcher:
     def _getitem(self, idx: Any) -> Any:
         return self.dataset[idx]
 
+    async def _second_call(self, idx: Any) -> Any:
+        # A hedge is one more request in flight: it waits for a slot as any call does.
+        async with self._calls:
+            return await self._attempt(self._getitem, idx)
+
     async def _hedged(self, idx: Any) -> Any:
         q = self.policy.hedge
         after = None if q is None else self._latency.quantile(q, self.policy.hedge_min_calls)
         if after is None:
             return await self._attempt(self._getitem, idx)
-        tasks = {asyncio.ensure_future(self._attempt(self._getitem, idx))}
+        tasks = {asyncio.ensure_future(_contained(self._attempt(self._getitem, idx)))}
         first = next(iter(tasks))
         try:
             done, _ = await asyncio.wait(tasks, timeout=after)
             if not done:
                 self.hedged += 1
-                tasks.add(asyncio.ensure_future(self._attempt(self._getitem, idx)))
+                tasks.add(asyncio.ensure_future(_contained(self._second_call(idx))))
             while True:
                 done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if task.exception() is None:
                         return task.result()
-                if not pending:  # every call failed: the first one's error is the cause
-                    raise first.exception() if first in done else next(iter(done)).exception()  # type: ignore[misc]
+                if not pending:  # every call failed: the first call's error is the cause
+                    raise first.exception()  # type: ignore[misc]
                 tasks = pending
         finally:
             for task in tasks:
                 if not task.done():
                     task.cancel()
                     task.add_done_callback(_retrieve)
+
+
+class _Escaped(Exception):
+    """A ``SystemExit`` or ``KeyboardInterrupt`` from the dataset, carried out of the event
+    loop thread (see :meth:`WorkerFetcher._guarded`)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(repr(exc))
+        self.exc = exc
+
+
+def _unescaped(fut: concurrent.futures.Future[Any]) -> Any:
+    try:
+        return fut.result()
+    except _Escaped as escaped:
+        raise escaped.exc from None
 
 
 @dataclass(frozen=True)
@@ -398,6 +541,7 @@ class WorkerFetcher:
         self._transform = spec.transform
         self._fetcher = SampleFetcher(spec.dataset, spec.policy, spec.concurrency)
         self._ahead: dict[Any, concurrent.futures.Future[list[Any]]] = {}
+        self._outstanding: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
         # Written (one byte) when any batch's requests finish: a worker waiting for one batch
         # also reads its next tasks meanwhile (see _ahead.wait).
@@ -405,94 +549,130 @@ class WorkerFetcher:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._loop = asyncio.new_event_loop()
+        self._closed = False
+        self._abandoned = False
         self._thread = threading.Thread(target=self._run, name="aioloader-io", daemon=True)
         self._thread.start()
-        self._closed = False
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._loop.run_forever()
+        try:
+            self._loop.run_forever()
+        finally:
+            if self._closed and self._abandoned:
+                # close(timeout=0) stopped the loop without waiting: its descriptors are
+                # released here, by the thread itself.
+                self._release()
 
-    def _wake(self, _fut: object) -> None:
+    def _release(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _spawn(self, make: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run the coroutine ``make()`` returns as a task of this fetcher's loop; its future.
+
+        Not run_coroutine_threadsafe: that replaces a TimeoutError by a new one, without the
+        traceback and the notes that say which index timed out. Every future is settled, by
+        its task or by :meth:`close`, so no worker thread waits for ever.
+        """
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def settle(task: asyncio.Task[Any]) -> None:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # close() did
+                if task.cancelled():
+                    fut.set_exception(concurrent.futures.CancelledError())
+                elif (exc := task.exception()) is not None:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(task.result())
+
+        def begin() -> None:
+            if fut.set_running_or_notify_cancel():
+                self._loop.create_task(self._guarded(make())).add_done_callback(settle)
+
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("aioloader: this worker's fetcher is closed")
+            self._outstanding.add(fut)
+        fut.add_done_callback(self._done)
+        self._loop.call_soon_threadsafe(begin)
+        return fut
+
+    def _done(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._outstanding.discard(fut)
         with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
             os.write(self._wake_w, b"\0")
 
     def _submit(self, indices: Any) -> concurrent.futures.Future[list[Any]]:
-        # Not run_coroutine_threadsafe: it replaces a TimeoutError by a new one, without the
-        # traceback and the notes that say which index timed out.
-        fut: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+        return self._spawn(lambda: self._fetcher.samples(indices, self._auto_collation))
 
-        def settle(task: asyncio.Task[list[Any]]) -> None:
-            if task.cancelled():
-                fut.set_exception(concurrent.futures.CancelledError())
-            elif (exc := task.exception()) is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(task.result())
-
-        def begin() -> None:
-            if fut.set_running_or_notify_cancel():
-                self._loop.create_task(self._guarded(indices)).add_done_callback(settle)
-
-        self._loop.call_soon_threadsafe(begin)
-        fut.add_done_callback(self._wake)
-        return fut
-
-    async def _guarded(self, indices: Any) -> list[Any]:
+    async def _guarded(self, coro: Any) -> Any:
         try:
-            return await self._fetcher.samples(indices, self._auto_collation)
+            return await coro
         except Exception:
             raise
         except BaseException as exc:
             task = asyncio.current_task()
-            if not isinstance(exc, asyncio.CancelledError) or (task and task.cancelling()):
-                raise  # SystemExit, KeyboardInterrupt, or this fetcher closing
-            # The dataset's own CancelledError: through the future it would read as a
-            # cancellation, with the dataset's traceback lost.
-            raise RuntimeError(
-                f"{type(self._fetcher.dataset).__name__}'s async __getitem__ raised "
-                "CancelledError without being cancelled; raise an Exception subclass instead"
-            ) from exc
+            if isinstance(exc, asyncio.CancelledError):
+                if task is not None and task.cancelling():
+                    raise  # this fetcher closing
+                # The dataset's own CancelledError: through the future it would read as a
+                # cancellation, with the dataset's traceback lost.
+                raise RuntimeError(
+                    f"{type(self._fetcher.dataset).__name__}'s async __getitem__ raised "
+                    "CancelledError without being cancelled; raise an Exception subclass "
+                    "instead"
+                ) from exc
+            # SystemExit, KeyboardInterrupt: out of a task they would stop this event loop
+            # for good; they travel to the worker's thread, which reports them as a sync
+            # dataset's.
+            raise _Escaped(exc) from exc
 
-    def run(self, coro: Any) -> Any:
-        """Run ``coro`` on this fetcher's event loop and return its result (the caller waits)."""
+    def run(self, make: Callable[[], Any]) -> Any:
+        """Await the coroutine ``make()`` returns on this fetcher's event loop, with the
+        dataset's client open; return its result (the calling thread waits)."""
 
-        async def guarded() -> Any:
+        async def opened() -> Any:
             await self._fetcher.open()
-            return await coro
+            return await make()
 
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        return _unescaped(self._spawn(opened))
 
-        def settle(task: asyncio.Task[Any]) -> None:
-            if task.cancelled():
-                fut.set_exception(concurrent.futures.CancelledError())
-            elif (exc := task.exception()) is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(task.result())
-
-        def begin() -> None:
-            if fut.set_running_or_notify_cancel():
-                self._loop.create_task(guarded()).add_done_callback(settle)
-
-        self._loop.call_soon_threadsafe(begin)
-        return fut.result()
-
-    def start(self, key: Any, indices: Any) -> None:
-        """Begin the requests of the batch ``key`` now; :meth:`fetch` collects them."""
+    def in_flight(self) -> int:
+        """Batches whose requests are running now."""
         with self._lock:
-            if key not in self._ahead and not self._closed:
-                self._ahead[key] = self._submit(indices)
+            return len(self._outstanding)
 
-    def fetch(self, indices: Any, key: Any = None) -> Any:
-        """The collated batch of ``indices``. Raises what the dataset or ``collate_fn`` raised."""
+    def start(self, key: Any, indices: Any) -> bool:
+        """Begin the requests of the batch ``key`` now; :meth:`fetch` collects them. True if
+        another batch's requests were running already."""
+        with self._lock:
+            if key in self._ahead or self._closed:
+                return False
+            others = bool(self._outstanding)
+        fut = self._submit(indices)
+        with self._lock:
+            self._ahead.setdefault(key, fut)
+        return others
+
+    def fetch(
+        self, indices: Any, key: Any = None, collating: Callable[[], None] | None = None
+    ) -> Any:
+        """The collated batch of ``indices``. Raises what the dataset or ``collate_fn`` raised.
+        ``collating()`` is called once its requests are done, before ``transform``."""
         with self._lock:
             fut = self._ahead.pop(key, None) if key is not None else None
-            if fut is None:
-                fut = self._submit(indices)
+        if fut is None:
+            fut = self._submit(indices)
         if not fut.done():
             _ahead.wait(fut, self._wake_r)
-        samples = fut.result()
+        samples = _unescaped(fut)
+        if collating is not None:
+            collating()
         if self._transform is not None:
             samples = [self._transform(sample) for sample in samples]
         if self._auto_collation:
@@ -505,10 +685,13 @@ class WorkerFetcher:
             if self._closed:
                 return
             self._closed = True
-            ahead, self._ahead = list(self._ahead.values()), {}
-        for fut in ahead:
-            fut.cancel()
+            self._ahead = {}
+            outstanding = list(self._outstanding)
+        for fut in outstanding:  # a thread waiting for one of these returns now
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                fut.set_exception(RuntimeError("aioloader: the loader's workers were stopped"))
         if timeout <= 0:  # nothing may wait: stop the loop where it stands
+            self._abandoned = True
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._loop.stop)
             return
@@ -519,10 +702,8 @@ class WorkerFetcher:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
         if not self._thread.is_alive():
-            self._loop.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            # Only now: a late wake-up could otherwise write into a reused descriptor.
+            self._release()
 
     async def _shutdown(self) -> None:
         this = asyncio.current_task()
@@ -537,26 +718,56 @@ class WorkerFetcher:
             await self._loop.shutdown_asyncgens()
 
 
-def ensure_picklable(dataset: Any, dumps: Callable[[Any], bytes]) -> None:
-    """Raise a clear ``TypeError`` if the workers cannot be sent ``dataset``."""
+#: Packages whose objects are clients bound to the process (and event loop) that made them.
+_CLIENT_PACKAGES = frozenset(
+    {
+        "aiohttp",
+        "httpx",
+        "httpcore",
+        "botocore",
+        "aiobotocore",
+        "boto3",
+        "obstore",
+        "s3fs",
+        "gcsfs",
+        "adlfs",
+        "fsspec",
+        "redis",
+        "asyncio",
+        "socket",
+        "ssl",
+        "google",
+        "azure",
+    }
+)
+
+
+def check_no_client(dataset: Any) -> None:
+    """Raise a clear ``TypeError`` if one of the dataset's attributes is a client (a session, a
+    connection, an event loop's object): the workers get a copy of the dataset, and such an
+    object belongs to this process and its event loop.
+
+    A shallow look at the attributes only, so it costs nothing for a large dataset; whatever
+    else cannot travel fails where the workers' payload is pickled, with the attribute named.
+    """
     try:
-        dumps(dataset)
-    except Exception as exc:
-        raise TypeError(
-            f"fetch_in='workers' sends the dataset to every worker, and "
-            f"{type(dataset).__name__} cannot be pickled ({type(exc).__name__}: {exc}). A "
-            "client (an aiohttp or httpx session, an S3 client) made in __init__ is bound to "
-            "this process and its event loop: make it in `async def __aenter__(self)` and close "
-            "it in `async def __aexit__(self, *exc)` instead; the loader enters the dataset "
-            "once in each worker's event loop and exits it when the worker ends. Or pass "
-            "fetch_in='loop' to keep the dataset in this process."
-        ) from exc
-
-
-def short(indices: Sequence[Any]) -> str:
-    """Indices for a message, cut after a few."""
-    items = list(indices)
-    return repr(items) if len(items) <= 8 else repr(items[:8])[:-1] + ", ...]"
+        items = list(vars(dataset).items())
+    except TypeError:  # __slots__ or a C type: nothing to look at cheaply
+        return
+    for name, value in items:
+        if isinstance(value, BaseException):  # an error kept to raise later is plain data
+            continue
+        package = (type(value).__module__ or "").split(".")[0]
+        if package in _CLIENT_PACKAGES:
+            raise TypeError(
+                f"fetch_in='workers' sends the dataset to every worker, and "
+                f"{type(dataset).__name__}.{name} is a {type(value).__module__}."
+                f"{type(value).__qualname__}: a client bound to this process and its event "
+                "loop. Make it in `async def __aenter__(self)` and close it in "
+                "`async def __aexit__(self, *exc)` instead: the loader enters the dataset once "
+                "in each worker's event loop and exits it when the worker ends. Or pass "
+                "fetch_in='loop' to keep the dataset in this process."
+            )
 
 
 class AsyncIterableDataset(IterableDataset[_T_co]):
@@ -611,7 +822,9 @@ class _SyncIterator:
 
     def __next__(self) -> Any:
         try:
-            sample = self._runner.run(self._it.__anext__())
+            # __anext__ is called on the loop's thread: an async generator registers there
+            # with the loop's hooks, which close it when it is dropped unfinished.
+            sample = self._runner.run(self._it.__anext__)
         except StopAsyncIteration:
             raise StopIteration from None
         return sample if self._transform is None else self._transform(sample)

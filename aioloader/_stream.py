@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from ._records import Failure, Flight, StreamInput
-from ._remote import SampleFetcher
+from ._remote import FetchPolicy, SampleFetcher
 from ._resume import batch_seed
 from ._sampling import IndexStream
 from ._scheduler import SubmitSide
@@ -209,12 +209,15 @@ class _Reader:
         self.source = source
         self.buffer: asyncio.Queue[tuple[Any, float] | _End] = asyncio.Queue(maxsize=size)
         self.stopping = False
+        # The source's client (__aenter__/__aexit__, if it has them) lives as long as the read.
+        self.client = SampleFetcher(source, FetchPolicy(), 1)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         buffer = self.buffer
         it: Any = None
         try:
+            await self.client.open()
             it = aiter(self.source)
             async for sample in it:
                 if self.stopping:
@@ -237,6 +240,7 @@ class _Reader:
                 # A source left early (break, cancellation, a crash) releases what it holds now.
                 with contextlib.suppress(Exception):
                     await aclose()
+            await _close_source(self.client)
 
     async def stop(self, task: asyncio.Task[None]) -> None:
         """End the reader (and so the source) and wait for it.

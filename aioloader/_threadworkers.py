@@ -311,9 +311,11 @@ class ThreadWorkers:
 
     async def shutdown(self, *, graceful: bool) -> None:
         """Drop queued batches and join the threads (a stuck call is waited for only a moment)."""
-        await release_threads(self._executors, 'worker (executor="thread")', self._join_bound_s)
         if self._remote is not None:
+            # First: it settles every request a worker thread waits for (one that never
+            # answers included), so the threads can be joined.
             await run_off_loop(self._remote.close, name="aioloader-io-close")
+        await release_threads(self._executors, 'worker (executor="thread")', self._join_bound_s)
 
     def abandon_stuck_calls(self) -> None:
         """The epoch timed out: calls still running at shutdown are waited for only a moment."""

@@ -86,6 +86,9 @@ class WorkerSpec:
     #: This process's rank and world size in data-parallel training (``get_worker_info()``).
     rank: int = 0
     world_size: int = 1
+    #: Tasks written ahead to a pinned worker (fetch_in="workers": all of its prefetch_factor
+    #: batches, whose requests it starts as soon as it reads them).
+    lane_depth: int = 2
 
 
 class Samples(list[Any]):
@@ -911,6 +914,23 @@ def setup(
         _state.init_error = RemoteError.capture(f"in DataLoader worker process {worker_id}")
 
 
+def _attributed(epoch: int, send_idx: int) -> None:
+    """This worker's slot names the batch it works on alone now (its transform and collation)."""
+    slots = _state.slots
+    if slots is not None:
+        _state.epoch_slots[_state.worker_id] = epoch
+        slots[_state.worker_id] = send_idx
+
+
+def _unattributed() -> None:
+    """Requests of more than one batch are in flight: a crash now is blamed on no batch (its
+    batches are fetched again all the same; a poison sample then ends in WorkerCrashedError
+    after max_worker_restarts, never in a PoisonBatchError naming another batch)."""
+    slots = _state.slots
+    if slots is not None and slots[_state.worker_id] >= 0:
+        slots[_state.worker_id] = -1
+
+
 def _look_ahead(fn: Any, args: tuple[Any, ...]) -> None:
     """Begin the requests of a batch task as soon as the worker reads it (see ``_ahead``)."""
     fetcher = _state.fetcher
@@ -919,7 +939,8 @@ def _look_ahead(fn: Any, args: tuple[Any, ...]) -> None:
     send_idx, indices, epoch = args
     if type(indices) is Extra:
         indices = indices.indices
-    fetcher.start((epoch, send_idx), indices)
+    if fetcher.start((epoch, send_idx), indices):
+        _unattributed()
 
 
 def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
@@ -979,7 +1000,14 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
         elif isinstance(indices, Samples):
             batch = _state.dataset.collate(indices, _state.collate_fn, spec.auto_collation)
         elif type(_state.fetcher) is _remote.WorkerFetcher:
-            batch = _state.fetcher.fetch(indices, (epoch, send_idx))
+            fetcher = _state.fetcher
+            if slots is not None and fetcher.in_flight() > 0:
+                # Requests of earlier-read batches run too: a crash now (a native client's)
+                # may be any of theirs, so it is blamed on none (see _unattributed).
+                slots[wid] = -1
+            batch = fetcher.fetch(
+                indices, (epoch, send_idx), collating=lambda: _attributed(epoch, send_idx)
+            )
         elif _streams(indices):
             batch = fetch_streamed(_state.dataset, indices)
         else:

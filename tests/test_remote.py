@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import pickle
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -223,18 +221,33 @@ async def test_on_the_loop_the_client_lives_for_the_epoch(tmp_path: Path) -> Non
     assert ds.client is None
 
 
-class _HoldsALock(rd.Latent):
+class _HoldsASession(rd.Latent):
     def __init__(self) -> None:
         super().__init__(4)
-        self.session = threading.Lock()  # a client made in __init__, bound to this process
+        self.session = asyncio.Event()  # stands for a client made in __init__ (asyncio's)
 
 
 def test_a_client_made_in_init_is_refused_at_construction_saying_what_to_do() -> None:
-    with pytest.raises(TypeError, match="cannot be pickled") as caught:
-        AsyncDataLoader(_HoldsALock(), batch_size=2, num_workers=2)
-    assert "__aenter__" in str(caught.value)
-    assert isinstance(caught.value.__cause__, (TypeError, pickle.PicklingError))
-    AsyncDataLoader(_HoldsALock(), batch_size=2, num_workers=2, fetch_in="loop")  # stays here
+    with pytest.raises(TypeError, match=r"_HoldsASession\.session is a asyncio") as caught:
+        AsyncDataLoader(_HoldsASession(), batch_size=2, num_workers=2)
+    assert "async def __aenter__" in str(caught.value)
+    AsyncDataLoader(_HoldsASession(), batch_size=2, num_workers=2, fetch_in="loop")  # stays here
+
+
+async def test_an_aiohttp_session_made_in_init_is_refused_naming_it() -> None:
+    aiohttp = pytest.importorskip("aiohttp")
+
+    class Eager(rd.Latent):
+        def __init__(self) -> None:
+            super().__init__(4)
+            self.http = aiohttp.ClientSession()
+
+    ds = Eager()
+    try:
+        with pytest.raises(TypeError, match=r"Eager\.http is a aiohttp\.client\.ClientSession"):
+            AsyncDataLoader(ds, batch_size=2, num_workers=2)
+    finally:
+        await ds.http.close()
 
 
 @pytest.mark.parametrize(
