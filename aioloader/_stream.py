@@ -377,6 +377,7 @@ async def _run_map(epoch: StreamSide, stream: StreamInput) -> None:
     )
     # One per epoch: the dataset's client (``__aenter__``) lives as long as the epoch's reads.
     fetcher = SampleFetcher(stream.source, stream.policy, stream.source_concurrency)
+    turns = _Turns()
     loop = asyncio.get_running_loop()
     fetches: set[asyncio.Task[None]] = set()
     send_idx = 0
@@ -396,7 +397,7 @@ async def _run_map(epoch: StreamSide, stream: StreamInput) -> None:
                 break
             task = start_task(
                 loop,
-                _fetch_and_submit(epoch, stream, send_idx, indices, wid, fetcher),
+                _fetch_and_submit(epoch, stream, send_idx, indices, wid, fetcher, turns),
                 name=f"aioloader-source-fetch:{send_idx}",
             )
             fetches.add(task)
@@ -443,19 +444,53 @@ async def _fetch_and_submit(
     indices: Any,
     wid: int | None,
     fetcher: SampleFetcher,
+    turns: _Turns,
 ) -> None:
     try:
-        samples = Samples(await fetcher.samples(indices, stream.batch_size is not None))
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # __getitem__ raised: at this batch's position, as in torch
-        if _ours(exc):
+        try:
+            samples = Samples(await fetcher.samples(indices, stream.batch_size is not None))
+        except (KeyboardInterrupt, SystemExit):
             raise
-        if not epoch.terminal:
-            what = f"{type(stream.source).__name__}'s async __getitem__"
-            epoch.reorder.put(send_idx, Failure(user_error(exc, what)))
-        return
-    await epoch.resumed.wait()
-    if epoch.terminal:
-        return
-    _submit(epoch, send_idx, samples, wid)
+        except BaseException as exc:  # __getitem__ raised: at this batch's position, as torch
+            if _ours(exc):
+                raise
+            if not epoch.terminal:
+                what = f"{type(stream.source).__name__}'s async __getitem__"
+                epoch.reorder.put(send_idx, Failure(user_error(exc, what)))
+            return
+        # Batches reach the workers in send_idx order whatever order their fetches finish in:
+        # a worker's transforms draw from its seeded RNG in the order torch's would.
+        await turns.wait(send_idx)
+        await epoch.resumed.wait()
+        if epoch.terminal:
+            return
+        _submit(epoch, send_idx, samples, wid)
+    finally:
+        turns.done(send_idx)
+
+
+class _Turns:
+    """Lets ``send_idx`` go once every smaller one went (was submitted, failed or gave up)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._finished: set[int] = set()
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+
+    async def wait(self, send_idx: int) -> None:
+        if send_idx > self._next:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[send_idx] = waiter
+            try:
+                await waiter
+            finally:
+                self._waiters.pop(send_idx, None)
+
+    def done(self, send_idx: int) -> None:
+        self._finished.add(send_idx)
+        while self._next in self._finished:
+            self._finished.discard(self._next)
+            self._next += 1
+        waiter = self._waiters.get(self._next)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

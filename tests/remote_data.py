@@ -220,3 +220,50 @@ class Shards(AsyncIterableDataset[dict[str, Any]]):
             nxt = asyncio.ensure_future(self._read(mine[k + 1])) if k + 1 < len(mine) else None
             for i in items:
                 yield {"x": torch.tensor([i]), "worker": wid, "io": threading.current_thread().name}
+
+
+class Exits(Latent):
+    """``sys.exit(3)`` in ``__getitem__`` for index ``at``."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n)
+        self.at = at
+
+    async def answer(self, i: int) -> dict[str, Any]:
+        if i == self.at:
+            raise SystemExit(3)
+        return {}
+
+
+class Peak(Latent):
+    """Counts the most calls in flight in this process (in ``peak``, shared by its copies)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n, delay)
+
+    async def __getitem__(self, i: int) -> dict[str, Any]:
+        sample = await super().__getitem__(i)
+        return sample
+
+
+def draw(sample: dict[str, Any]) -> dict[str, Any]:
+    """A transform with a random augmentation: a draw of the worker's seeded ``random``."""
+    import random
+
+    return {**sample, "draw": torch.tensor([random.random()])}
+
+
+class Generations(AsyncIterableDataset[dict[str, Any]]):
+    """Logs when an iterator's ``finally`` runs (``log`` file), to see abandoned ones closed."""
+
+    def __init__(self, n: int, log: str) -> None:
+        self.n, self.log = n, log
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:  # type: ignore[override]
+        try:
+            for i in range(self.n):
+                await asyncio.sleep(0)
+                yield {"x": torch.tensor([i])}
+        finally:
+            with open(self.log, "a") as f:  # noqa: ASYNC230 (a test's log)
+                f.write("closed\n")

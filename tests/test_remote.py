@@ -357,3 +357,143 @@ def test_an_async_iterable_dataset_read_as_a_stream_when_asked_or_timed() -> Non
         AsyncDataLoader(rd.Shards(2, 2), num_workers=2, max_batch_latency=0.1, fetch_in="workers")
     with pytest.raises(ValueError, match="executor='thread'"):
         AsyncDataLoader(rd.Shards(2, 2), num_workers=2, executor="thread")
+
+
+async def test_the_thread_executor_ends_at_once_with_a_request_that_never_answers() -> None:
+    loader = AsyncDataLoader(
+        rd.Hangs(64, at=9), batch_size=4, num_workers=2, executor="thread", fetch_in="workers"
+    )
+    async with asyncio.timeout(30):
+        async for _ in loader:
+            break  # index 9's batch is in flight and never answers
+        await loader.aclose()
+
+
+@pytest.mark.parametrize("executor", ["process", "thread"])
+async def test_sys_exit_in_an_async_getitem_is_an_error_at_its_batch(executor: str) -> None:
+    async with AsyncDataLoader(
+        rd.Exits(16, at=5), batch_size=4, num_workers=1, executor=executor, fetch_in="workers"
+    ) as loader:
+        it = aiter(loader)
+        async with asyncio.timeout(60):
+            assert rd.values([await anext(it)]) == [0, 1, 2, 3]
+            with pytest.raises(BaseException, match=r"SystemExit|3") as caught:
+                await anext(it)
+            assert rd.values([await anext(it)]) == [8, 9, 10, 11]
+    assert not isinstance(caught.value, (asyncio.CancelledError, TimeoutError))
+
+
+async def test_a_worker_keeps_requests_of_all_its_prefetched_batches_in_flight() -> None:
+    ds = rd.Latent(64, delay=0.05)
+    async with AsyncDataLoader(
+        ds, batch_size=2, num_workers=1, prefetch_factor=8, source_concurrency=16
+    ) as loader:
+        got = await collect(loader)
+    assert max(int(v) for b in got for v in b["in_flight"]) > 4  # more than 2 batches of 2
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+async def test_on_the_loop_source_concurrency_requests_are_in_flight(num_workers: int) -> None:
+    ds = rd.Latent(64, delay=0.05)
+    async with AsyncDataLoader(
+        ds, batch_size=4, num_workers=num_workers, fetch_in="loop", source_concurrency=16
+    ) as loader:
+        got = await collect(loader)
+    assert max(int(v) for b in got for v in b["in_flight"]) > 8
+
+
+async def test_a_batch_sampler_of_unknown_size_keeps_the_look_ahead_bounded() -> None:
+    ds = rd.Latent(200, delay=0.0)
+    batches = [list(range(k, k + 8)) for k in range(0, 200, 8)]
+    async with AsyncDataLoader(ds, batch_sampler=batches, num_workers=0) as loader:
+        it = aiter(loader)
+        async with asyncio.timeout(30):
+            await anext(it)
+            await asyncio.sleep(0.2)
+            # source_concurrency=16 needs 3 batches of 8 in flight: not the whole epoch.
+            assert len(loader.dataset.calls) <= 5 * 8  # type: ignore[attr-defined]
+            await it.aclose()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fetch_in", ["workers", "loop"])
+async def test_a_retry_does_not_shift_the_workers_random_draws(fetch_in: str) -> None:
+    async def draws(failures: int) -> list[float]:
+        ds = rd.Flaky(12, bad={1}, failures=failures, error=ConnectionResetError())
+        async with AsyncDataLoader(
+            ds,
+            batch_size=4,
+            num_workers=1,
+            fetch_in=fetch_in,  # type: ignore[arg-type]
+            transform=rd.draw,
+            fetch_policy=_fast(retries=2),
+            generator=torch.Generator().manual_seed(0),
+        ) as loader:
+            return [float(v) for b in await collect(loader) for v in b["draw"]]
+
+    assert await draws(0) == await draws(1)
+
+
+@pytest.mark.parametrize("fetch_in", ["workers", "loop"])
+async def test_hedged_calls_stay_within_source_concurrency(fetch_in: str) -> None:
+    ds = rd.SlowFirstCall(120, slow=set(range(40, 120, 3)), slow_s=0.3, delay=0.01)
+    async with AsyncDataLoader(
+        ds,
+        batch_size=8,
+        num_workers=1 if fetch_in == "workers" else 0,
+        fetch_in=fetch_in,  # type: ignore[arg-type]
+        source_concurrency=4,
+        fetch_policy=FetchPolicy(hedge=0.5, hedge_min_calls=10),
+    ) as loader:
+        got = await collect(loader)
+    assert rd.values(got) == list(range(120))
+    assert max(int(v) for b in got for v in b["in_flight"]) <= 4
+
+
+async def test_an_async_iterable_read_on_the_loop_opens_its_client() -> None:
+    ds = rd.Shards(shards=3, per_shard=4)
+    async with AsyncDataLoader(ds, batch_size=4, num_workers=0) as loader:
+        assert loader.fetch_in == "loop"
+        got = await collect(loader)
+    assert sorted(rd.values(got)) == list(range(12))
+    assert ds.client is None  # entered for the epoch and closed after
+
+
+async def test_an_abandoned_async_generator_is_closed_in_its_worker(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    ds = rd.Generations(100, str(log))
+    async with AsyncDataLoader(ds, batch_size=4, num_workers=1, persistent_workers=True) as ld:
+        async for _ in ld:
+            break
+        assert len(rd.values(await collect(ld))) == 100
+    # The first epoch's iterator, left after one batch, and the second's, run to its end.
+    assert log.read_text().splitlines() == ["closed", "closed"]
+
+
+async def test_overlapping_epochs_on_the_loop_share_one_client(tmp_path: Path) -> None:
+    log = str(tmp_path / "client.log")
+    ds = rd.WithClient(400, log)
+    ds.delay = 0.002
+    outer = AsyncDataLoader(ds, batch_size=4)
+    inner = AsyncDataLoader(ds, batch_size=4)
+    seen: list[int] = []
+    async with outer, inner, asyncio.timeout(60):
+        async for batch in outer:
+            seen += rd.values([batch])
+            if len(seen) == 8:  # a validation pass while the outer epoch still reads
+                assert rd.values(await collect(inner)) == list(range(400))
+    assert seen == list(range(400))
+    # Each epoch's reads used an open client; it was never closed under the other's feet
+    # (every call checks), and it was opened and closed alternately, never twice at once.
+    events = [line[0] for line in rd.log_lines(log)]
+    assert events[: events.index("close")] == ["open"]
+    assert events == ["open", "close"] * (len(events) // 2)
+
+
+def test_is_transient_reads_errno_before_the_class() -> None:
+    assert is_transient(asyncio.IncompleteReadError(b"", 10))
+    assert not is_transient(ConnectionError(errno.EPERM, "not permitted"))
+
+    class AppError(ValueError):
+        code = 500  # an application's own number, not an HTTP status
+
+    assert not is_transient(AppError())
