@@ -257,7 +257,12 @@ class Consumer:
             self._done = True
             if ep.acks is not None and not ep.terminal:
                 await self._flush_acks()
-            start_error = None if ep.terminal else await self._unreported_start_error()
+            try:
+                start_error = None if ep.terminal else await self._unreported_start_error()
+            except asyncio.CancelledError:
+                if ep.end(Phase.FINISHED):  # every batch was delivered: only the check is lost
+                    ep.progress.finished = True
+                raise
             ended = ep.end(Phase.FINISHED)
             if ep.phase is Phase.FINISHED:
                 ep.progress.finished = True  # state_dict() now points at the next epoch

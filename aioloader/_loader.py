@@ -1245,6 +1245,12 @@ async def _next(iterator: _EpochIterator[Any], step: Coroutine[Any, Any, Any]) -
     iterator._awaited = True
     try:
         return await step
+    except asyncio.CancelledError as exc:
+        # An interrupt (a notebook's, an outer timeout): where the loader was waiting is not
+        # the caller's business. Dropped here, and re-raised bare (which adds no frame), the
+        # traceback shows the caller's frames only.
+        exc.__traceback__ = None
+        raise
     finally:
         iterator._awaited = False
         del iterator

@@ -218,6 +218,7 @@ class Progress:
     def delivered(self, idx: int, worker_id: int | None, dataset_state: Any) -> None:
         """The consumer received the batch (or the error) at ``idx``."""
         self.position.mark(idx)
+        self.start_fetcher = None  # the batch's state is the epoch's from now on
         if worker_id is not None:
             self.last_worker = worker_id
             if self.iterable:

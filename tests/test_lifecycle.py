@@ -7,6 +7,7 @@ fd or shared-memory file behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 from typing import Any
 
 import psutil
@@ -280,3 +282,28 @@ async def test_aclose_does_not_wait_for_an_abandoned_epochs_slow_batches() -> No
     # Closing killed the busy workers instead of waiting for their batches.
     assert time.perf_counter() - t0 < 1.5
     assert not _worker_pids()
+
+
+async def test_an_interrupt_shows_the_callers_frames_not_the_loaders() -> None:
+    """A notebook interrupt (a cancellation) raised out of `async for`: its traceback is the
+    caller's, not where the loader was waiting inside (the loader's own frames)."""
+    caught: list[list[str]] = []
+
+    async def consume(loader: AsyncDataLoader[Any]) -> None:
+        try:
+            async for _ in loader:
+                pass
+        except asyncio.CancelledError as exc:
+            caught.append([f.filename for f in traceback.extract_tb(exc.__traceback__)])
+            raise
+
+    async with (
+        AsyncDataLoader(datasets.SlowDataset(4, delay=5), batch_size=1, num_workers=1) as loader,
+        asyncio.timeout(60),
+    ):
+        task = asyncio.ensure_future(consume(loader))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert caught == [[__file__]]
