@@ -238,8 +238,8 @@ class _SpdlFetch:
     async def __call__(self, i: int) -> Any:
         import aiohttp
 
-        if self.draining:  # the run is over: nothing reads what follows
-            return b"" if self.decode else torch.empty(0, dtype=torch.uint8)
+        if self.draining:  # the run is over: wait to be cancelled when the pipeline stops
+            await asyncio.get_running_loop().create_future()
         if self.session is None:
             self.loop = asyncio.get_running_loop()
             connector = aiohttp.TCPConnector(limit=IN_FLIGHT)
@@ -458,24 +458,30 @@ def run_limit(base: str, count: int, budget: Budget) -> RoundResult:
     return asyncio.run(go())
 
 
-def _decode_for(jpegs: list[bytes], seconds: float) -> tuple[int, float, float]:
+def _decode_warm(jpegs: list[bytes]) -> None:
     torch.set_num_threads(1)
-    decode_tensor(jpegs[0])  # warm
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    decode_tensor(jpegs[0])  # Pillow imported, its decoder warm
+
+
+def _decode_for(jpegs: list[bytes], start: float, seconds: float) -> int:
+    """Decode back to back from ``start`` to ``start + seconds`` (the shared monotonic clock)."""
+    time.sleep(max(0.0, start - time.perf_counter()))
+    n, end = 0, start + seconds
+    while time.perf_counter() < end:
         decode_tensor(jpegs[n % len(jpegs)])
         n += 1
-    return n, start, time.perf_counter()
+    return n
 
 
 def run_decode_limit(jpegs: list[bytes], workers: int, seconds: float) -> RoundResult:
-    """min(workers, cores) processes decoding the store's JPEGs back to back, side by side."""
+    """min(workers, cores) processes decoding the store's JPEGs back to back over the same
+    stretch of time (every process warm first), nothing fetched, nothing sent."""
     procs = min(workers, os.cpu_count() or 1)
     with ProcessPoolExecutor(procs) as pool:
-        got = list(pool.map(_decode_for, [jpegs] * procs, [seconds] * procs))
-    n = sum(g[0] for g in got)
-    span = max(g[2] for g in got) - min(g[1] for g in got)
-    return RoundResult(span, n // BATCH, n)
+        list(pool.map(_decode_warm, [jpegs] * procs * 2))
+        start = time.perf_counter() + 0.2
+        n = sum(pool.map(_decode_for, [jpegs] * procs, [start] * procs, [seconds] * procs))
+    return RoundResult(seconds, n // BATCH, n)
 
 
 # --------------------------------------------------------------------------------------------
