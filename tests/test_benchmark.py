@@ -195,6 +195,7 @@ def test_remote_workload_runs_every_kind_of_row_against_a_real_store() -> None:
         memory=True,
         progress=lambda _: None,
         only=cols,
+        warmup_s=0.1,
     )
     for col in cols:
         if col == AIO and not res[AIO]:

@@ -276,12 +276,16 @@ class _SpdlFetch:
 
 @dataclass
 class Budget:
-    """A run: ``warmup`` batches untimed, then at least ``seconds`` and ``min_batches``."""
+    """A run: untimed until ``warmup`` batches and ``warmup_s`` seconds since the first one, then
+    at least ``seconds`` and ``min_batches``. The warm-up in seconds lets a loader drain what it
+    fetched ahead while its first batch was awaited (SPDL's queues, a loader's prefetch): counted
+    in a short window, that backlog would read as more than the store serves."""
 
     seconds: float
     warmup: int
     min_batches: int
     memory: bool = False
+    warmup_s: float = 0.0
 
 
 class _LoaderPss(PssSampler):
@@ -312,31 +316,32 @@ class _Clock:
     def __init__(self, budget: Budget) -> None:
         self.b = budget
         self.sampler = _LoaderPss(0.1) if budget.memory else None
-        self.seen = self.samples = 0
-        self.t0 = self.t1 = 0.0
+        self.seen = self.samples = self.warm = 0
+        self.first = self.t0 = self.t1 = 0.0
 
     def tick(self, batch: Any) -> bool:
         """Count a batch; True when the run has what it needs."""
         self.seen += 1
-        if self.seen == 1 and self.sampler is not None:
-            self.sampler.start()
         now = time.perf_counter()
-        if self.seen == self.b.warmup:
-            self.t0 = now
-        elif self.seen > self.b.warmup:
-            self.samples += batch_len(batch)
-            self.t1 = now
-            timed = self.seen - self.b.warmup
-            return now - self.t0 >= self.b.seconds and timed >= self.b.min_batches
-        return False
+        if self.seen == 1:
+            self.first = now
+            if self.sampler is not None:
+                self.sampler.start()
+        if not self.t0:
+            if self.seen >= self.b.warmup and now - self.first >= self.b.warmup_s:
+                self.t0 = now
+                self.warm = self.seen
+            return False
+        self.samples += batch_len(batch)
+        self.t1 = now
+        timed = self.seen - self.warm
+        return now - self.t0 >= self.b.seconds and timed >= self.b.min_batches
 
     def result(self) -> RoundResult:
         peak = float(self.sampler.stop()) if self.sampler is not None else None
-        if self.seen <= self.b.warmup:
-            raise RuntimeError(f"only {self.seen} batches, need > {self.b.warmup}")
-        return RoundResult(
-            self.t1 - self.t0, self.seen - self.b.warmup, self.samples, peak_pss=peak
-        )
+        if not self.t0 or self.seen <= self.warm:
+            raise RuntimeError(f"only {self.seen} batches: the run ended in its warm-up")
+        return RoundResult(self.t1 - self.t0, self.seen - self.warm, self.samples, peak_pss=peak)
 
 
 def _drain_sync(batches: Iterable[Any], budget: Budget) -> RoundResult:
@@ -430,15 +435,15 @@ def run_limit(base: str, count: int, budget: Budget) -> RoundResult:
     import aiohttp
 
     async def go() -> RoundResult:
-        done = 0
-        t0 = 0.0
+        done = warm = 0
+        first = t0 = 0.0
         stop = False
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=IN_FLIGHT)
         ) as session:
 
             async def worker(k: int) -> None:
-                nonlocal done, t0, stop
+                nonlocal done, warm, first, t0, stop
                 i = k
                 while not stop:
                     async with session.get(object_url(base, i, count)) as r:
@@ -446,13 +451,17 @@ def run_limit(base: str, count: int, budget: Budget) -> RoundResult:
                         await r.read()
                     i += IN_FLIGHT
                     done += 1
-                    if done == budget.warmup * BATCH:
-                        t0 = time.perf_counter()
-                    elif t0 and time.perf_counter() - t0 >= budget.seconds:
+                    now = time.perf_counter()
+                    first = first or now
+                    if not t0:
+                        # the loaders' warm-up: 'warmup' batches' worth and warmup_s seconds
+                        if done >= budget.warmup * BATCH and now - first >= budget.warmup_s:
+                            t0, warm = now, done
+                    elif now - t0 >= budget.seconds:
                         stop = True
 
             await asyncio.gather(*(worker(k) for k in range(IN_FLIGHT)))
-        timed = done - budget.warmup * BATCH
+        timed = done - warm
         return RoundResult(time.perf_counter() - t0, timed // BATCH, timed)
 
     return asyncio.run(go())
@@ -534,9 +543,13 @@ def measure_remote(
     memory: bool,
     progress: Callable[[str], None],
     only: Iterable[str] | None = None,
+    warmup_s: float | None = None,
 ) -> tuple[dict[str, list[RoundResult]], dict[str, float], float]:
     """Alternating rounds of every column on one store: ``(results, peak PSS bytes per column,
-    the store's CPU cores while the limit ran, median)``. ``only``: these columns alone."""
+    the store's CPU cores while the limit ran, median)``. ``only``: these columns alone.
+    ``warmup_s``: untimed seconds after each run's first batch (default: ``min(1, seconds)``)."""
+    if warmup_s is None:
+        warmup_s = min(1.0, seconds)
     from aioloader.benchmark._store import HttpStore, StoreConfig, make_jpegs
 
     cfg = StoreConfig(
@@ -582,7 +595,7 @@ def measure_remote(
             return run_aio(base, OBJECTS, setting.decode, nw, "loop", _budget(budget, nw))
 
         try:
-            timed = Budget(seconds, warmup=2, min_batches=2)
+            timed = Budget(seconds, warmup=2, min_batches=2, warmup_s=warmup_s)
             for r in range(rounds):
                 for col in cols:
                     res = one(col, timed)
@@ -590,7 +603,7 @@ def measure_remote(
                         out[col].append(res)
                 progress(f"remote{setting.label}: round {r + 1}/{rounds}")
             if memory:
-                mem = Budget(seconds, warmup=2, min_batches=2, memory=True)
+                mem = Budget(seconds, 2, 2, memory=True, warmup_s=warmup_s)
                 for col in cols:
                     if col in (LIMIT, DECODE_LIMIT):
                         continue
@@ -605,7 +618,9 @@ def measure_remote(
 
 def _budget(b: Budget, workers: int) -> Budget:
     """Every worker's first batch untimed, and every worker in the timed part at least once."""
-    return Budget(b.seconds, max(b.warmup, workers), max(b.min_batches, workers), b.memory)
+    return Budget(
+        b.seconds, max(b.warmup, workers), max(b.min_batches, workers), b.memory, b.warmup_s
+    )
 
 
 def _rate(r: RoundResult) -> float:
