@@ -237,8 +237,8 @@ class _Server:
             if cfg.reset_rate and self.rng.random() < cfg.reset_rate:
                 self._count("reset")
                 if request.transport is not None:
-                    request.transport.abort()
-                raise ConnectionResetError("store: connection reset on purpose")
+                    request.transport.abort()  # RST, no answer; what follows goes nowhere
+                return web.Response(status=500)
             status = 0
             if cfg.fail_first:
                 seen = self.attempts.get(i, 0)

@@ -337,6 +337,11 @@ class _Clock:
         timed = self.seen - self.warm
         return now - self.t0 >= self.b.seconds and timed >= self.b.min_batches
 
+    def abort(self) -> None:
+        """The run failed: stop the memory sampler's thread."""
+        if self.sampler is not None:
+            self.sampler.stop()
+
     def result(self) -> RoundResult:
         peak = float(self.sampler.stop()) if self.sampler is not None else None
         if not self.t0 or self.seen <= self.warm:
@@ -351,8 +356,7 @@ def _drain_sync(batches: Iterable[Any], budget: Budget) -> RoundResult:
             if clock.tick(batch):
                 break
     except BaseException:
-        if clock.sampler is not None:
-            clock.sampler.stop()
+        clock.abort()
         raise
     return clock.result()
 
@@ -421,10 +425,14 @@ def run_aio(
             loader = aio_class()(ds, batch_size=BATCH, num_workers=workers, **kwargs)
         except TypeError:
             return None
-        async with outer, loader:
-            async for batch in loader:
-                if clock.tick(batch):
-                    break
+        try:
+            async with outer, loader:
+                async for batch in loader:
+                    if clock.tick(batch):
+                        break
+        except BaseException:
+            clock.abort()
+            raise
         return clock.result()
 
     return asyncio.run(go())
