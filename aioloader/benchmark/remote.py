@@ -642,6 +642,8 @@ def rows_for(
     rates = {c: [_rate(r) for r in rs] for c, rs in res.items() if rs}
     rows: list[Row] = []
     missing = "" if rates.get(AIO) else " (n/a: this aioloader has no fetch_in=)"
+    if SPDL not in res:
+        missing += "; spdl: not installed (pip install spdl), no SPDL column"
     speed = Row(
         "remote",
         f"samples/s{label}",
