@@ -65,10 +65,11 @@ class RemoteImages:
         self.decode = decode
         self.in_flight = in_flight
         self.session: Any = None  # made in __aenter__, in the loop that fetches
+        self.users = 0  # entered this many times in this process (see train())
 
     def __getstate__(self) -> dict[str, Any]:
         # The dataset travels to the workers before any session exists; never pickle one.
-        return {**self.__dict__, "session": None}
+        return {**self.__dict__, "session": None, "users": 0}
 
     def __len__(self) -> int:
         return self.n
@@ -76,14 +77,17 @@ class RemoteImages:
     async def __aenter__(self) -> RemoteImages:
         import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=self.in_flight)
-        timeout = aiohttp.ClientTimeout(total=30)  # a request never hangs the epoch
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self.users += 1
+        if self.session is None:
+            connector = aiohttp.TCPConnector(limit=self.in_flight)
+            timeout = aiohttp.ClientTimeout(total=30)  # a request never hangs the epoch
+            self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        session, self.session = self.session, None
-        if session is not None:
+        self.users -= 1
+        if self.users == 0 and self.session is not None:
+            session, self.session = self.session, None
             await session.close()
 
     async def __getitem__(self, i: int) -> tuple[Any, int]:
@@ -104,13 +108,15 @@ def make_loader(base: str, n: int, workers: int) -> tuple[AsyncDataLoader[Any], 
         "persistent_workers": workers > 0,
         "generator": torch.Generator().manual_seed(0),
     }
-    ds = RemoteImages(base, n, decode=True)
-    try:
-        return AsyncDataLoader(ds, fetch_in="workers", source_concurrency=16, **common), ds
-    except TypeError:  # an aioloader without fetch_in=
-        ds = RemoteImages(base, n, decode=False, in_flight=64)
-        loader = AsyncDataLoader(ds, source_concurrency=64, transform=decode_sample, **common)
-        return loader, ds
+    if workers > 0:  # with no workers, fetching is on the loop: the fallback below
+        ds = RemoteImages(base, n, decode=True)
+        try:
+            return AsyncDataLoader(ds, fetch_in="workers", source_concurrency=16, **common), ds
+        except TypeError:  # an aioloader without fetch_in=
+            pass
+    ds = RemoteImages(base, n, decode=False, in_flight=64)
+    loader = AsyncDataLoader(ds, source_concurrency=64, transform=decode_sample, **common)
+    return loader, ds
 
 
 async def train(base: str, n: int, workers: int, epochs: int) -> float:
@@ -126,7 +132,8 @@ async def train(base: str, n: int, workers: int, epochs: int) -> float:
     loader, ds = make_loader(base, n, workers)
     in_workers = ds.decode
     accuracy = 0.0
-    # On the loop (the fallback) the session lives in this loop: enter the dataset here.
+    # On the loop (the fallback) the session lives in this loop: enter the dataset here too, for
+    # an aioloader that does not enter it itself (the count in __aenter__ makes either work).
     async with loader:
         if not in_workers:
             await ds.__aenter__()
