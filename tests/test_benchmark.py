@@ -168,3 +168,52 @@ def test_a_startup_measurement_ends_with_its_group_killed_and_its_semaphores_unl
     # unlinked the semaphore (killed with the group, it left it in /dev/shm).
     assert _gone(int(pid))
     assert not os.path.exists(sem_file)
+
+
+def test_remote_workload_runs_every_kind_of_row_against_a_real_store() -> None:
+    """The remote workload, tiny: one short round of a few columns on a real store (0 ms, 10 KB
+    JPEGs, decoded); every column that exists reports a rate, and nothing is left running."""
+    from aioloader.benchmark._harness import AIO
+    from aioloader.benchmark._limit import LIMIT
+    from aioloader.benchmark.remote import (
+        AIO_LOOP_0,
+        DECODE_LIMIT,
+        TORCH_ASYNC,
+        Setting,
+        measure_remote,
+        rows_for,
+    )
+
+    setting = Setting(0, 10_000, True)
+    cols = [LIMIT, DECODE_LIMIT, "torch", TORCH_ASYNC, AIO, AIO_LOOP_0]
+    res, peaks, store_cpu = measure_remote(
+        setting,
+        workers=2,
+        rounds=1,
+        seconds=0.2,
+        with_spdl=False,
+        memory=True,
+        progress=lambda _: None,
+        only=cols,
+        warmup_s=0.1,
+    )
+    for col in cols:
+        if col == AIO and not res[AIO]:
+            continue  # the loader has no fetch_in= yet: the column is n/a
+        assert len(res[col]) == 1 and res[col][0].samples > 0, col
+    assert set(peaks) >= {"torch", TORCH_ASYNC, AIO_LOOP_0}
+    assert store_cpu >= 0
+    rows = rows_for(setting, res, peaks, store_cpu)
+    metrics = [r.metric for r in rows]
+    assert "samples/s (0 ms, 10 KB, decode)" in metrics
+    assert any(m.startswith("peak PSS") for m in metrics)
+    assert rows[0].median(LIMIT) and rows[0].median(AIO_LOOP_0)
+
+
+def test_remote_workload_is_registered() -> None:
+    from aioloader.benchmark import parse_args
+    from aioloader.benchmark._cli import BENCHES, WORKLOADS
+
+    assert "remote" in WORKLOADS and "remote" in BENCHES
+    args = parse_args(["--workload", "remote", "--remote-grid"])
+    assert args.names == ["remote"] and args.remote_grid

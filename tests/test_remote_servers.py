@@ -44,6 +44,9 @@ async def test_store_serves_each_keys_bytes_and_404_for_others(http_store: Any) 
             assert status == 404
             assert b"<Code>NoSuchKey</Code>" in body
     assert http_store.info()["count"] == 256
+    from aioloader.benchmark.remote import object_url
+
+    assert object_url(http_store.url, 256 + 7, 256) == http_store.object_url(7)
 
 
 async def test_first_byte_latency_and_a_slow_tail(make_http_store: Callable[..., Any]) -> None:
@@ -155,6 +158,7 @@ def test_command_line_prints_its_port_and_stops_on_sigterm() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "aioloader.benchmark._store", "--port", "0", "--size", "10"],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         env=dict(os.environ, PYTHONPATH=os.getcwd()),
     )
     try:
@@ -166,12 +170,15 @@ def test_command_line_prints_its_port_and_stops_on_sigterm() -> None:
             assert r.read() == expected_bytes(3, 10)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+        assert proc.stderr is not None
+        assert proc.stderr.read() == b""  # no warning, no traceback
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(20)
-        assert proc.stdout is not None
-        proc.stdout.close()
+        for pipe in (proc.stdout, proc.stderr):
+            assert pipe is not None
+            pipe.close()
     assert_gone(proc.pid, port)
 
 

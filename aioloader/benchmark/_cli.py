@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from aioloader.benchmark import backends
+from aioloader.benchmark import backends, remote
 from aioloader.benchmark._harness import (
     AIO,
     AIO_OPTIONS,
@@ -38,6 +38,7 @@ from aioloader.benchmark.cpu import bench_cpu
 from aioloader.benchmark.device import bench_device
 from aioloader.benchmark.iowait import bench_io
 from aioloader.benchmark.loop_lag import bench_loop_lag
+from aioloader.benchmark.remote import bench_remote
 from aioloader.benchmark.resume import bench_resume
 from aioloader.benchmark.skewed import bench_skewed
 from aioloader.benchmark.startup import bench_startup
@@ -56,6 +57,7 @@ WORKLOADS = (
     "device",
     "resume",
     "stream",
+    "remote",
 )
 #: Run only when named: ``backends`` compares the executors (and starts a local Ray cluster).
 OPTIONAL_WORKLOADS = ("backends",)
@@ -72,6 +74,7 @@ BENCHES: dict[str, Callable[[Config], list[Row]]] = {
     "device": bench_device,
     "resume": bench_resume,
     "stream": bench_stream,
+    "remote": bench_remote,
     "dataset": bench_dataset,
     "backends": backends.bench_backends,
 }
@@ -94,6 +97,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ),
     )
     p.add_argument("--quick", action="store_true", help="shorter rounds; suite under 1 minute")
+    p.add_argument(
+        "--remote-grid",
+        action="store_true",
+        help="remote: latency 5/20/100 ms x objects 10 KB/100 KB/1 MB x decode or not "
+        "(default: 20 ms, 100 KB, with and without decode)",
+    )
     p.add_argument("--json", metavar="PATH", help="write raw rounds, medians and machine info")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the ratios")
     p.add_argument("--workers", type=int, default=2, help="num_workers for both loaders")
@@ -158,7 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.quick,
         loaders,
         progress,
-        {"dataset": args.dataset, "batch_size": args.batch_size, "batches": args.batches},
+        {
+            "dataset": args.dataset,
+            "batch_size": args.batch_size,
+            "batches": args.batches,
+            "remote_grid": args.remote_grid,
+        },
     )
     # One untimed pass of every loader first, so imports and first-use costs land nowhere.
     for name in loaders:
@@ -178,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 loads[name] = load
                 progress(f"{name}: {load.describe()}")
     # Workloads that compare more loaders (the executors, the machine's limit) add columns.
-    extra = [c for c in (*backends.COLUMNS, LIMIT) if any(c in r.rounds for r in rows)]
+    columns = (*backends.COLUMNS, *remote.COLUMNS, LIMIT)
+    extra = [c for c in columns if any(c in r.rounds for r in rows)]
     loaders = loaders + extra
     table = format_table(rows, loaders)
     print(table)

@@ -4,6 +4,9 @@ Run as its own process::
 
     python -m aioloader.benchmark._store --port 0 --latency-ms 20 --size 100000 --count 10000
 
+(or ``python path/to/_store.py ...``, as :class:`HttpStore` starts it: this file imports only the
+standard library, aiohttp and, for JPEG objects, Pillow; not torch, not the package.)
+
 prints the port it listens on (one line on stdout) once it serves, then serves until SIGTERM or
 SIGINT (or, with ``--watch-stdin``, until its standard input closes: the parent that started it
 is gone). From Python, :func:`start_store` starts that process and stops it after::
@@ -234,8 +237,8 @@ class _Server:
             if cfg.reset_rate and self.rng.random() < cfg.reset_rate:
                 self._count("reset")
                 if request.transport is not None:
-                    request.transport.abort()
-                raise ConnectionResetError("store: connection reset on purpose")
+                    request.transport.abort()  # RST, no answer; what follows goes nowhere
+                return web.Response(status=500)
             status = 0
             if cfg.fail_first:
                 seen = self.attempts.get(i, 0)
@@ -422,12 +425,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _package_root() -> str:
-    import aioloader
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(aioloader.__file__)))
-
-
 class HttpStore:
     """A running store process; :func:`start_store` is the usual way to get one."""
 
@@ -487,14 +484,12 @@ class HttpStore:
     # -- life -------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_package_root(), env.get("PYTHONPATH")) if p
-        )
+        # This file run by its path, not with -m: importing the package would import torch
+        # (seconds, and hundreds of MB in a process that only serves bytes).
         cmd = [
             sys.executable,
-            "-m",
-            "aioloader.benchmark._store",
+            "-P",  # not this file's folder on sys.path: the benchmark's modules are there
+            os.path.abspath(__file__),
             "--host",
             self.host,
             "--port",
@@ -503,7 +498,7 @@ class HttpStore:
             json.dumps(self.config.to_json()),
             "--watch-stdin",
         ]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.proc = proc
         assert proc.stdout is not None
         deadline = time.monotonic() + self.start_timeout
