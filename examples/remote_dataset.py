@@ -14,8 +14,9 @@ What to copy:
   ``async def __aexit__``: the loader enters the dataset once in every event loop that fetches
   (each worker's with ``fetch_in="workers"``) and exits it when that worker ends, so the session
   is made once per worker and closed; no "Unclosed client session" warning at the end;
-* with ``fetch_in="workers"`` ``__getitem__`` runs in the worker processes, so it decodes there:
-  the JPEG's bytes never cross to the main process, only the batch does;
+* with workers, ``__getitem__`` runs in the worker processes (``fetch_in="workers"``, the
+  default) and ``transform`` decodes there: the JPEG's bytes never cross to the main process,
+  only the batch does;
 * ``source_concurrency`` requests in flight per worker: with 20 ms per request, 16 in flight
   give a worker up to 800 images/s from the store, far more than torch's one request at a time.
 """
@@ -52,24 +53,16 @@ def decode_sample(sample: tuple[bytes, int]) -> tuple[torch.Tensor, int]:
 
 
 class RemoteImages:
-    """``GET {base}/objects/{key}`` for each index, on one aiohttp session per event loop.
-
-    ``decode=True``: ``__getitem__`` returns ``(image tensor, label)``, decoded where it runs (a
-    worker with ``fetch_in="workers"``). ``decode=False``: ``(jpeg bytes, label)``, for a
-    ``transform`` to decode (the loader runs that in its workers).
+    """``GET {base}/objects/{key}`` for each index, on one aiohttp session per event loop that
+    fetches: ``(jpeg bytes, label)``. Decoding is CPU work: it is the ``transform``'s, which the
+    loader runs in the worker, in batch order, while the worker's next requests are in flight.
     """
 
-    def __init__(self, base: str, n: int, *, decode: bool = True, in_flight: int = 16) -> None:
+    def __init__(self, base: str, n: int, *, in_flight: int = 16) -> None:
         self.base = base
         self.n = n
-        self.decode = decode
         self.in_flight = in_flight
-        self.session: Any = None  # made in __aenter__, in the loop that fetches
-        self.users = 0  # entered this many times in this process (see train())
-
-    def __getstate__(self) -> dict[str, Any]:
-        # The dataset travels to the workers before any session exists; never pickle one.
-        return {**self.__dict__, "session": None, "users": 0}
+        self.session: Any = None  # made in __aenter__, on the event loop that fetches
 
     def __len__(self) -> int:
         return self.n
@@ -77,45 +70,37 @@ class RemoteImages:
     async def __aenter__(self) -> RemoteImages:
         import aiohttp
 
-        self.users += 1
-        if self.session is None:
-            connector = aiohttp.TCPConnector(limit=self.in_flight)
-            timeout = aiohttp.ClientTimeout(total=30)  # a request never hangs the epoch
-            self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        connector = aiohttp.TCPConnector(limit=self.in_flight)
+        timeout = aiohttp.ClientTimeout(total=30)  # a request never hangs the epoch
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.users -= 1
-        if self.users == 0 and self.session is not None:
-            session, self.session = self.session, None
-            await session.close()
+        session, self.session = self.session, None
+        await session.close()
 
-    async def __getitem__(self, i: int) -> tuple[Any, int]:
+    async def __getitem__(self, i: int) -> tuple[bytes, int]:
         async with self.session.get(f"{self.base}/objects/{object_key(i)}") as resp:
             resp.raise_for_status()  # a 404 or a 5xx is an error at this batch's position
             data = await resp.read()
         label = jpeg_label(i)  # in a real dataset: from an index file or the object's metadata
-        return (decode(data), label) if self.decode else (data, label)
+        return data, label
 
 
 def make_loader(base: str, n: int, workers: int) -> tuple[AsyncDataLoader[Any], RemoteImages]:
-    """The loader, and the dataset it reads: fetched and decoded in the workers; before the
-    loader had ``fetch_in``, fetched on the loop and decoded by ``transform`` in the workers."""
-    common: dict[str, Any] = {
-        "batch_size": 32,
-        "shuffle": True,
-        "num_workers": workers,
-        "persistent_workers": workers > 0,
-        "generator": torch.Generator().manual_seed(0),
-    }
-    if workers > 0:  # with no workers, fetching is on the loop: the fallback below
-        ds = RemoteImages(base, n, decode=True)
-        try:
-            return AsyncDataLoader(ds, fetch_in="workers", source_concurrency=16, **common), ds
-        except TypeError:  # an aioloader without fetch_in=
-            pass
-    ds = RemoteImages(base, n, decode=False, in_flight=64)
-    loader = AsyncDataLoader(ds, source_concurrency=64, transform=decode_sample, **common)
+    """The loader and the dataset it reads. With workers, each fetches (``fetch_in="workers"``,
+    the default) and decodes; with none, this loop fetches and the fetch thread decodes."""
+    ds = RemoteImages(base, n, in_flight=16 if workers else 64)
+    loader = AsyncDataLoader(
+        ds,
+        batch_size=32,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        generator=torch.Generator().manual_seed(0),
+        transform=decode_sample,  # in the worker that fetched the sample
+        source_concurrency=ds.in_flight,  # requests in flight per worker
+    )
     return loader, ds
 
 
@@ -129,36 +114,27 @@ async def train(base: str, n: int, workers: int, epochs: int) -> float:
         torch.nn.Linear(8 * 16, 4),
     )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    loader, ds = make_loader(base, n, workers)
-    in_workers = ds.decode
+    loader, _ = make_loader(base, n, workers)
     accuracy = 0.0
-    # On the loop (the fallback) the session lives in this loop: enter the dataset here too, for
-    # an aioloader that does not enter it itself (the count in __aenter__ makes either work).
-    async with loader:
-        if not in_workers:
-            await ds.__aenter__()
-        try:
-            for epoch in range(epochs):
-                t0 = time.perf_counter()
-                right = seen = 0
-                async for images, labels in loader:
-                    loss = torch.nn.functional.cross_entropy(model(images), labels)
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    right += int((model(images).argmax(1) == labels).sum())
-                    seen += len(labels)
-                took = time.perf_counter() - t0
-                accuracy = right / seen
-                print(
-                    f"epoch {epoch}: {seen} images in {took:.2f} s ({seen / took:.0f}/s), "
-                    f"loss {loss.item():.3f}, accuracy {accuracy:.2f}",
-                    flush=True,
-                )
-        finally:
-            if not in_workers:
-                await ds.__aexit__(None, None, None)
-    where = "fetched and decoded in the workers" if in_workers else "fetched on the loop"
+    async with loader:  # closes the workers, and with them every session
+        for epoch in range(epochs):
+            t0 = time.perf_counter()
+            right = seen = 0
+            async for images, labels in loader:
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                right += int((model(images).argmax(1) == labels).sum())
+                seen += len(labels)
+            took = time.perf_counter() - t0
+            accuracy = right / seen
+            print(
+                f"epoch {epoch}: {seen} images in {took:.2f} s ({seen / took:.0f}/s), "
+                f"loss {loss.item():.3f}, accuracy {accuracy:.2f}",
+                flush=True,
+            )
+        where = f"fetched in the workers ({loader.fetch_in})" if workers else "fetched on the loop"
     print(f"done: {where}; the loader and every session closed")
     return accuracy
 

@@ -17,8 +17,7 @@ measured for about as long. Columns, all in the same rounds (A B C ... A B C ...
 * ``spdl``: SPDL's pipeline (if ``spdl`` is installed), an async fetch stage (64 at once), a
   decode stage (2 threads), ``aggregate(32)``, collate;
 * ``aioloader``: ``num_workers=2, fetch_in="workers"``: the async dataset runs in each worker on
-  the worker's event loop, ``source_concurrency=32`` each, decoded there ('n/a' until the loader
-  has ``fetch_in``);
+  the worker's event loop, ``source_concurrency=32`` each, decoded there;
 * ``aio-loop-0`` / ``aio-loop-2``: the async dataset on the consumer's loop
   (``source_concurrency=64``), decoded by ``transform`` on the fetch thread (0 workers) or in 2
   workers.
@@ -37,7 +36,6 @@ limit ran (it must not be the bound). Default: 20 ms, 100 KB, with and without d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import os
 import statistics
@@ -411,22 +409,15 @@ def run_aio(
             out = "decode" if decode else "tensor"
             ds = AsyncHttpDataset(base, count, out=out, limit=IN_FLIGHT // 2)
             kwargs: dict[str, Any] = {"fetch_in": "workers", "source_concurrency": IN_FLIGHT // 2}
-            outer: Any = contextlib.nullcontext()  # the loader enters it in each worker
         else:
             # bytes from the loop, decoded by transform where the loader runs it
             ds = AsyncHttpDataset(base, count, out="bytes" if decode else "tensor", limit=IN_FLIGHT)
-            kwargs = {"source_concurrency": IN_FLIGHT}
+            kwargs = {"fetch_in": "loop", "source_concurrency": IN_FLIGHT}
             if decode:
                 kwargs["transform"] = decode_tensor
-            # Entered here too, on the loop that fetches: a loader that enters it itself adds
-            # one to its count; one that does not (before fetch_in) still finds a session.
-            outer = ds
+        loader = aio_class()(ds, batch_size=BATCH, num_workers=workers, **kwargs)
         try:
-            loader = aio_class()(ds, batch_size=BATCH, num_workers=workers, **kwargs)
-        except TypeError:
-            return None
-        try:
-            async with outer, loader:
+            async with loader:
                 async for batch in loader:
                     if clock.tick(batch):
                         break
@@ -641,7 +632,7 @@ def rows_for(
     label = setting.label
     rates = {c: [_rate(r) for r in rs] for c, rs in res.items() if rs}
     rows: list[Row] = []
-    missing = "" if rates.get(AIO) else " (n/a: this aioloader has no fetch_in=)"
+    missing = ""
     if SPDL not in res:
         missing += "; spdl: not installed (pip install spdl), no SPDL column"
     speed = Row(
@@ -746,7 +737,5 @@ def bench_remote(cfg: Config) -> list[Row]:
             memory=True,
             progress=cfg.progress,
         )
-        if not res.get(AIO):
-            cfg.progress("remote: aioloader has no fetch_in= yet: its workers column is n/a")
         rows += rows_for(setting, res, peaks, store_cpu)
     return rows
