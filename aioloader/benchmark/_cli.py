@@ -42,6 +42,7 @@ from aioloader.benchmark.resume import bench_resume
 from aioloader.benchmark.skewed import bench_skewed
 from aioloader.benchmark.startup import bench_startup
 from aioloader.benchmark.stream import bench_stream
+from aioloader.benchmark.text import bench_text
 from aioloader.benchmark.tiny import TinyDataset, bench_tiny
 from aioloader.benchmark.user_dataset import bench_dataset
 
@@ -56,6 +57,7 @@ WORKLOADS = (
     "device",
     "resume",
     "stream",
+    "text",
 )
 #: Run only when named: ``backends`` compares the executors (and starts a local Ray cluster).
 OPTIONAL_WORKLOADS = ("backends",)
@@ -72,6 +74,7 @@ BENCHES: dict[str, Callable[[Config], list[Row]]] = {
     "device": bench_device,
     "resume": bench_resume,
     "stream": bench_stream,
+    "text": bench_text,
     "dataset": bench_dataset,
     "backends": backends.bench_backends,
 }
