@@ -444,15 +444,14 @@ class Epoch:
             # channel already (see _transport.FdChannel), so this does not wait for the worker.
             # A batch of many Python objects comes in pieces, rebuilt on the loop a bounded
             # step at a time (a thread would hold the GIL, and so the loop, throughout).
-            rebuild = Rebuild.of(f)
-            if rebuild is not None:
+            received = receive(f, stepwise=True)
+            if type(received) is Rebuild:
                 with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
                     if threading.get_ident() == loop_thread:
-                        loop.call_soon(self._rebuild_step, send_idx, gen, f, rebuild)
+                        loop.call_soon(self._rebuild_step, send_idx, gen, f, received)
                     else:
-                        loop.call_soon_threadsafe(self._rebuild_step, send_idx, gen, f, rebuild)
+                        loop.call_soon_threadsafe(self._rebuild_step, send_idx, gen, f, received)
                 return
-            received = receive(f)
             with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
                 if threading.get_ident() == loop_thread:
                     # A stale lane result can arrive on a later loop of this thread (persistent
@@ -564,20 +563,24 @@ class Lost(Failure):
     """A batch whose shared memory could not be received: a crash if its worker is dead."""
 
 
-def receive(fut: Future[Any]) -> Any:
+def receive(fut: Future[Any], stepwise: bool = False) -> Any:
     """Rebuild a finished task's batch. Runs in: the loop (a lane), or the thread that completed
     the task (an executor's manager thread, a fetch thread).
 
     Returns the :class:`~aioloader._worker.Result` with its ``data`` decoded into ``Direct`` (or a
-    ``Failure`` to raise at the batch's position), or None if the task did not complete. Never
-    raises: an exception escaping here would lose the batch.
+    ``Failure`` to raise at the batch's position), or None if the task did not complete; with
+    ``stepwise``, a batch that came in pieces is not rebuilt: a :class:`Rebuild` to step through
+    is returned instead. Never raises: an exception escaping here would lose the batch.
     """
     if fut.cancelled() or fut.exception() is not None:
         return None
     res: _worker.Result = fut.result()
     if not isinstance(res.data, bytes):
         return res
-    return Rebuild(res).step()
+    rebuild = Rebuild(res)
+    if stepwise and _transport.in_pieces(res.data):
+        return rebuild
+    return rebuild.step()
 
 
 class Rebuild:
@@ -588,16 +591,6 @@ class Rebuild:
         self.res = res
         self.buffers: list[tuple[_transport.BufferPool, int]] = []
         self.decoder: _transport.PieceDecoder | None = None
-
-    @classmethod
-    def of(cls, fut: Future[Any]) -> Rebuild | None:
-        """A rebuild for ``fut``'s batch if it came in pieces, else None."""
-        if fut.cancelled() or fut.exception() is not None:
-            return None
-        res: _worker.Result = fut.result()
-        if not isinstance(res.data, bytes) or not _transport.in_pieces(res.data):
-            return None
-        return cls(res)
 
     def close(self) -> None:
         """Give back what an unfinished rebuild holds."""
@@ -611,6 +604,9 @@ class Rebuild:
         assert isinstance(res.data, bytes)
         try:
             if self.decoder is None:
+                if not _transport.in_pieces(res.data):  # one pickle: loaded at once
+                    value = _transport.loads_result(res.data, self.buffers)
+                    return res._replace(data=Direct(value, tuple(self.buffers)))
                 self.decoder = _transport.PieceDecoder(res.data, self.buffers)
             if not self.decoder.step(budget):
                 return None

@@ -1593,12 +1593,29 @@ def loads_result(data: bytes, tracked: list[tuple[BufferPool, int]] | None = Non
     Raises ``OSError`` if a shared-memory tensor's descriptor cannot be received (``EMFILE`` at
     the descriptor limit).
     """
-    decoder = PieceDecoder(data, tracked)
+    if in_pieces(data):
+        decoder = PieceDecoder(data, tracked)
+        try:
+            decoder.step()
+        finally:
+            decoder.close()
+        return decoder.value
+    # Buffers dropped since the last result go to workers now, whichever worker this result is
+    # from: a worker's next batch finds a free buffer sooner.
+    for pool in list(_pools):
+        pool.release_dropped()
+    outer = (_receiving.fds, _receiving.tracked, _receiving.pooled)
+    _receiving.fds, _receiving.storages = {}, {}
+    _receiving.tracked, _receiving.pooled = tracked, 0
     try:
-        decoder.step()
+        return pickle.loads(data)
     finally:
-        decoder.close()
-    return decoder.value
+        taken = _receiving.fds
+        _receiving.fds, _receiving.tracked, _receiving.pooled = outer
+        _receiving.storages = None
+        for fds in taken.values():
+            # The storages hold duplicates of their own.
+            _close_all(fds)
 
 
 def delivered(tracked: tuple[tuple[BufferPool, int], ...]) -> None:

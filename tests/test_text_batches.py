@@ -172,9 +172,10 @@ def one_piece_per_step(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]
     monkeypatch.setattr(_transport, "DECODE_STEP_S", 0.0)
     events: list[tuple[str, int]] = []
     orig = _transport.PieceDecoder.step
+    serials: dict[_transport.PieceDecoder, int] = {}  # not id(): a freed decoder's is reused
 
     def step(self: _transport.PieceDecoder, budget: float = float("inf")) -> bool:
-        events.append(("step", id(self)))
+        events.append(("step", serials.setdefault(self, len(serials))))
         return orig(self, budget)
 
     monkeypatch.setattr(_transport.PieceDecoder, "step", step)
