@@ -168,3 +168,19 @@ def test_a_startup_measurement_ends_with_its_group_killed_and_its_semaphores_unl
     # unlinked the semaphore (killed with the group, it left it in /dev/shm).
     assert _gone(int(pid))
     assert not os.path.exists(sem_file)
+
+
+def test_the_text_workload_reports_throughput_and_loop_lag(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioloader.benchmark import text
+    from aioloader.benchmark._harness import AIO, TORCH, Config
+
+    monkeypatch.setattr(text, "plan", lambda cfg, full, quick: max(3, quick // 5))
+    cfg = Config(2, 3, True, [TORCH, AIO], lambda msg: None)
+    rows = {r.metric: r for r in text.bench_text(cfg)}
+    rate = rows[f"batches/s (batch 32 x {text.STRINGS} strings)"]
+    assert rate.median(TORCH) > 0 and rate.median(AIO) > 0
+    lag = rows["p99 loop lag ms, floor (2 spinning procs, no loader)"]
+    assert len(lag.rounds[TORCH]) == 3 and len(lag.rounds[AIO]) == 3  # floor and aioloader
+    assert lag.passed is not None
+    # The batches are lists of lists of strings, equal to what the dataset gives.
+    assert text.keep_list([["a"]]) == [["a"]]
