@@ -11,7 +11,8 @@ and decides:
   capped by how long the loop's thread waited for a CPU meanwhile (its run-queue wait, from
   ``/proc/thread-self/schedstat``): lateness of the loop's own making (a long callback) is not
   counted, since lowering the workers would not cure it. Beside it, how many *other* tasks were
-  runnable (``/proc/loadavg``'s running count, less this thread and the workers running then).
+  runnable (``/proc/loadavg``'s running count, less this process's threads and the workers
+  running then).
 * **What it decides** (:class:`NicePolicy`, window by window of :data:`WINDOW` samples): workers
   start at nice 0. A window whose lateness exceeds :data:`BOUND_S` in more than 2% of its
   samples, while no other task competes, lowers them to :data:`LOW_NICE`: the contention is the
@@ -33,6 +34,7 @@ import asyncio
 import contextlib
 import os
 import resource
+import threading
 from collections.abc import Callable
 
 __all__ = ("BOUND_S", "LOW_NICE", "PERIOD_S", "WINDOW", "NicePolicy", "PriorityMonitor")
@@ -121,6 +123,16 @@ class NicePolicy:
         return None
 
 
+def _runnable(fd: int) -> int:
+    """1 if the task whose ``/proc/.../stat`` file ``fd`` is is runnable now, else 0."""
+    try:
+        stat = os.pread(fd, 512, 0)
+    except OSError:
+        return 0
+    state = stat.rfind(b")") + 2
+    return 1 if stat[state : state + 1] == b"R" else 0
+
+
 def may_raise_priority() -> bool:
     """Whether this process may lower a niceness it raised (``CAP_SYS_NICE``, or an
     ``RLIMIT_NICE`` soft limit of 20 or more, which allows nice 0)."""
@@ -165,7 +177,9 @@ class PriorityMonitor:
         self._due = 0.0
         self._sched_fd = -1
         self._load_fd = -1
-        self._stat_fds: dict[int, int] = {}
+        self._stat_fds: dict[int, int] = {}  # worker pid -> its /proc stat file
+        self._thread_fds: dict[int, int] = {}  # this process's other threads, likewise
+        self._loop_tid = 0
         self._wait_ns = 0
 
     @property
@@ -187,6 +201,8 @@ class PriorityMonitor:
             self._wait_ns = self._read_wait()
         with contextlib.suppress(OSError):
             self._load_fd = os.open("/proc/loadavg", os.O_RDONLY)
+        self._loop_tid = threading.get_native_id()
+        self._find_threads()
         self._due = loop.time() + PERIOD_S
         self._handle = loop.call_at(self._due, self._tick)
 
@@ -206,12 +222,18 @@ class PriorityMonitor:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        for fd in (self._sched_fd, self._load_fd, *self._stat_fds.values()):
+        for fd in (
+            self._sched_fd,
+            self._load_fd,
+            *self._stat_fds.values(),
+            *self._thread_fds.values(),
+        ):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._sched_fd = self._load_fd = -1
         self._stat_fds.clear()
+        self._thread_fds.clear()
 
     def _tick(self) -> None:
         loop = self._loop
@@ -233,6 +255,8 @@ class PriorityMonitor:
             self._apply()
         elif self.policy._n == 0:  # a window ended: workers started since get the level too
             self._apply()
+        if self.policy._n == 0:
+            self._find_threads()
         self._due = now + PERIOD_S
         self._handle = loop.call_at(self._due, self._tick)
 
@@ -250,18 +274,38 @@ class PriorityMonitor:
             running = int(os.pread(self._load_fd, 128, 0).split()[3].split(b"/")[0])
         except (OSError, ValueError, IndexError):
             return None
+        return float(max(0, running - self._ours()))
+
+    def _ours(self) -> int:
+        """This process's runnable threads (this one, reading, included) and the workers'."""
         ours = 1  # this thread, reading
         for pid in self._applied:
             fd = self._stat_fds.get(pid)
             try:
                 if fd is None:
                     fd = self._stat_fds[pid] = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-                stat = os.pread(fd, 512, 0)
             except OSError:
                 continue
-            if stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R":
-                ours += 1
-        return float(max(0, running - ours))
+            ours += _runnable(fd)
+        # This process's other threads (a training step on a thread) are not competition either:
+        # lowering the workers gives them the cores too.
+        for fd in self._thread_fds.values():
+            ours += _runnable(fd)
+        return ours
+
+    def _find_threads(self) -> None:
+        """Open the stat files of this process's threads other than the loop's (again once
+        per window: threads come and go)."""
+        try:
+            tids = {int(t) for t in os.listdir("/proc/self/task")} - {self._loop_tid}
+        except (OSError, ValueError):
+            return
+        for gone in set(self._thread_fds) - tids:
+            with contextlib.suppress(OSError):
+                os.close(self._thread_fds.pop(gone))
+        for tid in tids - set(self._thread_fds):
+            with contextlib.suppress(OSError):
+                self._thread_fds[tid] = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
 
     def _apply(self) -> None:
         """Give every current worker the policy's niceness."""

@@ -194,3 +194,40 @@ async def test_the_monitor_stops_when_the_epoch_is_abandoned() -> None:
         assert loader._priority is not None and not loader._priority.running
         assert len(await collect(loader)) == 400
         assert not loader._priority.running
+
+
+async def test_threads_of_this_process_are_not_competition() -> None:
+    """A training step on a thread of the loop's process competes with the workers, not with
+    the loader: it must not make the machine count as shared."""
+    import hashlib
+    import threading
+
+    stop = threading.Event()
+    data = bytes(8 << 20)
+
+    def step() -> None:  # runnable throughout: hashing a large buffer releases the GIL
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    monitor = _priority.PriorityMonitor(lambda: True)
+    try:
+        monitor.watch(lambda: [])
+        assert threading.get_native_id() not in monitor._thread_fds  # the loop's own
+        assert thread.native_id in monitor._thread_fds
+        ours = [monitor._ours() for _ in range(20)]
+        assert sum(ours) / len(ours) > 1.5  # the reading thread and the step, runnable
+        assert monitor._others() is not None
+        stop.set()
+        thread.join()
+        for _ in range(100):  # the OS thread ends a moment after join() returns
+            monitor._find_threads()
+            if thread.native_id not in monitor._thread_fds:
+                break
+            await asyncio.sleep(0.01)
+        assert thread.native_id not in monitor._thread_fds  # its stat file closed
+    finally:
+        stop.set()
+        thread.join()
+        monitor.pause()
