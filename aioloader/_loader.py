@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -96,10 +97,11 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             ``None`` or ``"cpu"`` keeps batches on the host.
         device_prefetch: Batches kept ready on the device (or pinned) ahead of the consumer, so
             the copy of the next batch overlaps the compute on this one.
-        worker_nice: Niceness of each worker process (0-19), fixed. The default (None) adapts
-            it: workers run at torch's priority (nice 0) while the event loop's lateness stays
-            within its bound or other processes compete for the cores, and at nice 5 while the
-            workers themselves make the loop late (see docs/service.md). Worker processes only.
+        worker_nice: Niceness added to each worker process (0-19), fixed. The default (None)
+            adapts it: workers run at torch's priority (nice 0) while the event loop's lateness
+            stays within its bound or other processes compete for the cores, and at nice 5 while
+            the workers themselves make the loop late (see docs/service.md). Worker processes
+            only.
         max_worker_restarts: Worker pools the loader may replace per epoch after a worker process
             dies; the batches in flight are resubmitted, so no sample is lost or repeated.
             0 fails at the first crash, as torch does. An index batch that kills its worker twice
@@ -994,7 +996,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             return
         if self._priority is None:
             self._priority = PriorityMonitor(_running_epochs(weakref.ref(self)))
-        self._priority.watch(pids)
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to sample on
+            self._priority.watch(pids)
 
     def _backend_replaced(self, old: Backend, new: Backend) -> None:
         """Crash recovery replaced ``old``: a persistent pool is now ``new``."""

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import resource
 import threading
+import weakref
 from collections.abc import Callable
 
 __all__ = ("BOUND_S", "LOW_NICE", "PERIOD_S", "WINDOW", "NicePolicy", "PriorityMonitor")
@@ -123,6 +125,10 @@ class NicePolicy:
         return None
 
 
+def _same(value: Callable[[], list[int]]) -> Callable[[], list[int]]:
+    return value
+
+
 def _runnable(fd: int) -> int:
     """1 if the task whose ``/proc/.../stat`` file ``fd`` is is runnable now, else 0."""
     try:
@@ -170,7 +176,9 @@ class PriorityMonitor:
         """``active()``: whether an epoch runs (sampling stops by itself when none does)."""
         self.policy = NicePolicy(can_raise=may_raise_priority(), level=start_level())
         self._active = active
-        self._pids: Callable[[], list[int]] | None = None
+        # Each pool's pids() (weakly: a pool shut down and dropped leaves by itself); overlapping
+        # epochs with pools of their own all get the decided niceness.
+        self._pools: list[Callable[[], Callable[[], list[int]] | None]] = []
         self._applied: dict[int, int] = {}  # pid -> niceness set
         self._handle: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -187,9 +195,16 @@ class PriorityMonitor:
         return self._handle is not None
 
     def watch(self, pids: Callable[[], list[int]]) -> None:
-        """Start sampling (again) on the running loop, for the workers ``pids()`` lists."""
-        self._pids = pids
+        """Start sampling (again) on the running loop, for the workers ``pids()`` lists too
+        (a bound method of their pool). Raises ``RuntimeError`` with no running loop."""
         loop = asyncio.get_running_loop()
+        self._pools = [ref for ref in self._pools if ref() not in (None, pids)]
+        ref: Callable[[], Callable[[], list[int]] | None]
+        try:
+            ref = weakref.WeakMethod(pids)
+        except TypeError:  # not a bound method: held as it is
+            ref = functools.partial(_same, pids)
+        self._pools.append(ref)
         self._apply()
         if self._handle is not None and self._loop is loop:
             return
@@ -309,12 +324,14 @@ class PriorityMonitor:
 
     def _apply(self) -> None:
         """Give every current worker the policy's niceness."""
-        if self._pids is None:
-            return
-        try:
-            pids = self._pids()
-        except Exception:  # a pool shutting down: nothing to renice
-            return
+        pids: list[int] = []
+        for ref in list(self._pools):
+            source = ref()
+            if source is None:
+                self._pools.remove(ref)
+                continue
+            with contextlib.suppress(Exception):  # a pool shutting down: nothing to renice
+                pids += source()
         # Relative to this process's own niceness, as worker_nice=N is.
         base = os.getpriority(os.PRIO_PROCESS, 0)
         level = self.policy.level

@@ -231,3 +231,49 @@ async def test_threads_of_this_process_are_not_competition() -> None:
         stop.set()
         thread.join()
         monitor.pause()
+
+
+@pytest.fixture
+def two_children() -> Iterator[list[int]]:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)
+    ]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+async def test_overlapping_epochs_pools_all_get_the_decided_niceness(
+    monkeypatch: pytest.MonkeyPatch, two_children: list[int]
+) -> None:
+    if not _priority.may_raise_priority():
+        pytest.skip("this process may not raise a priority it lowered")
+    monkeypatch.setattr(_priority, "_last_level", 0)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    class Pool:  # what the monitor needs of a pool: a bound pids()
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+
+        def pids(self) -> list[int]:
+            return [self.pid]
+
+    pools = [Pool(pid) for pid in two_children]
+    monitor = _priority.PriorityMonitor(lambda: True)
+    try:
+        monitor.watch(pools[0].pids)
+        monitor.watch(pools[1].pids)  # a second epoch's pool beside the first
+        monitor.policy.level = _priority.LOW_NICE
+        monitor._apply()
+        for pid in two_children:
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, base + _priority.LOW_NICE)
+        del pools[0]  # a dropped pool leaves the monitor by itself
+        monitor.policy.level = 0
+        monitor._apply()
+        assert os.getpriority(os.PRIO_PROCESS, two_children[1]) == base
+        assert len(monitor._pools) == 1
+    finally:
+        monitor.pause()
