@@ -243,3 +243,25 @@ async def test_an_epoch_ended_mid_rebuild_drops_it(
         async for _ in loader:
             break  # the next batches are being rebuilt or on their way: dropped, fds closed
         assert len(await collect(loader)) == 8  # a new epoch still gets every batch
+
+
+def test_result_pipes_hold_a_large_result_whole() -> None:
+    """A text batch (hundreds of KiB) fits the result pipe: the worker writes it in one go."""
+    import fcntl
+    import multiprocessing
+
+    from aioloader import _procpool
+
+    get_size = getattr(fcntl, "F_GETPIPE_SZ", None)
+    if get_size is None:
+        pytest.skip("no F_GETPIPE_SZ here")
+    lane = _procpool.Lane(multiprocessing.get_context("fork"))
+    try:
+        size = fcntl.fcntl(lane.result_w.fileno(), get_size)
+        with open("/proc/sys/fs/pipe-max-size") as fh:
+            limit = int(fh.read())
+        assert size == min(_procpool.RESULT_PIPE_BYTES, limit) or size >= 64 * 1024
+        if limit >= _procpool.RESULT_PIPE_BYTES:
+            assert size == _procpool.RESULT_PIPE_BYTES
+    finally:
+        lane.close()
