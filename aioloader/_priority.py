@@ -16,7 +16,8 @@ and decides:
 * **What it decides** (:class:`NicePolicy`, window by window of :data:`WINDOW` samples): workers
   start at nice 0. A window whose lateness exceeds :data:`BOUND_S` in more than 2% of its
   samples, while no other task competes, lowers them to :data:`LOW_NICE`: the contention is the
-  loader's own, and lowering its workers cures it. A window in which other tasks compete (a mean
+  loader's own, and lowering its workers cures it (as soon as that many samples are late, where
+  it can be undone). A window in which other tasks compete (a mean
   of :data:`SHARED_RUNNABLE` or more) raises them back to nice 0: the machine is shared, the
   workers need their share, and lowering them would not bring the lateness within its bound.
 * **What it may do.** Lowering a priority is always allowed; raising it back needs
@@ -52,6 +53,9 @@ BOUND_S = 0.0015
 
 #: More than this many samples above the bound (of a full window) make a window over.
 _OVER_SAMPLES = WINDOW // 50
+
+#: Samples of the machine's other load needed before a window may end early (see observe).
+_EARLY_SAMPLES = 10
 
 #: The niceness of lowered workers (the fixed default before this policy).
 LOW_NICE = 5
@@ -92,7 +96,8 @@ class NicePolicy:
 
     def observe(self, lateness_s: float, others: float | None = None) -> int | None:
         """One sample: the loop's lateness, and how many other tasks were runnable (None:
-        unknown). Returns the new niceness when this sample completes a window that changes it."""
+        unknown). Returns the new niceness when this sample completes a window that changes it
+        (a window ends after ``window`` samples, or earlier to lower the workers, see below)."""
         self._n += 1
         if lateness_s > self.bound_s:
             self._late += 1
@@ -100,6 +105,20 @@ class NicePolicy:
             self._others += others
             self._others_n += 1
         if self._n < self.window:
+            # A window is over as soon as enough of its samples are late: where the lowering can
+            # be undone, it need not wait for the window's end (a short-lived loader's first
+            # half second would run at the contended priority). The machine must have looked
+            # quiet for a few samples first. The window still runs to its end.
+            if (
+                self.can_raise
+                and self.level < self.low
+                and self._late > self.over_samples
+                and self._others_n >= _EARLY_SAMPLES
+                and self._others / self._others_n < self.shared
+            ):
+                self._strikes = 0
+                self.level = self.low
+                return self.level
             return None
         over = self._late > self.over_samples
         shared = self._others_n > 0 and self._others / self._others_n >= self.shared

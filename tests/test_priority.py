@@ -41,10 +41,23 @@ def test_workers_are_lowered_when_the_loop_is_late_and_nothing_else_competes() -
     assert policy.level == _priority.LOW_NICE
 
 
-def test_a_decision_waits_for_a_full_window() -> None:
+def test_a_decision_waits_for_a_full_window_unless_it_can_lower_early() -> None:
+    # Unknown competition, or a lowering that cannot be undone: the whole window.
     policy = NicePolicy(can_raise=True)
-    assert feed(policy, [LATE] * (policy.window - 1)) == []
+    assert feed(policy, [LATE] * (policy.window - 1), others=None) == []
+    assert policy.observe(LATE, None) == _priority.LOW_NICE
+    policy = NicePolicy(can_raise=False)
+    assert feed(policy, [LATE] * (2 * policy.window - 1)) == []
     assert policy.observe(LATE, 0.0) == _priority.LOW_NICE
+    # Reversible, and the machine looked quiet for a few samples: as soon as enough are late.
+    policy = NicePolicy(can_raise=True)
+    early = _priority._EARLY_SAMPLES
+    levels = [policy.observe(LATE if i >= early - 3 else PROMPT, 0.0) for i in range(early)]
+    assert levels[-1] == _priority.LOW_NICE and levels[:-1] == [None] * (early - 1)
+    assert feed(policy, [PROMPT] * (policy.window - early)) == []  # the window runs on
+    # A shared machine never ends a window early (nor lowers at its end).
+    policy = NicePolicy(can_raise=True)
+    assert feed(policy, [LATE] * (policy.window - 1), others=2.0) == []
 
 
 def test_workers_keep_torchs_priority_on_a_shared_machine() -> None:
@@ -167,6 +180,7 @@ async def test_injected_lateness_lowers_a_loaders_workers(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(_priority.PriorityMonitor, "_tick", late_tick)
     monkeypatch.setattr(_priority, "PERIOD_S", 0.001)
+    monkeypatch.setattr(_priority, "_EARLY_SAMPLES", 10**9)  # whole windows: 50 ms here
     base = os.nice(0)
     async with AsyncDataLoader(Nice(120), batch_size=None, num_workers=2) as loader:
         got = await collect(loader)
