@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import threading
 import time
 import weakref
@@ -441,7 +442,16 @@ class Epoch:
             # completed the future (an executor's manager thread, a crash, Ray or thread workers).
             # Unpickled where it arrives: a batch's descriptors are waiting on its worker's
             # channel already (see _transport.FdChannel), so this does not wait for the worker.
-            received = receive(f)
+            # A batch of many Python objects comes in pieces, rebuilt on the loop a bounded
+            # step at a time (a thread would hold the GIL, and so the loop, throughout).
+            received = receive(f, stepwise=True)
+            if type(received) is Rebuild:
+                with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+                    if threading.get_ident() == loop_thread:
+                        loop.call_soon(self._rebuild_step, send_idx, gen, f, received)
+                    else:
+                        loop.call_soon_threadsafe(self._rebuild_step, send_idx, gen, f, received)
+                return
             with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
                 if threading.get_ident() == loop_thread:
                     # A stale lane result can arrive on a later loop of this thread (persistent
@@ -451,6 +461,21 @@ class Epoch:
                 loop.call_soon_threadsafe(self._on_done, send_idx, gen, f, received)
 
         fut.add_done_callback(done)
+
+    def _rebuild_step(self, send_idx: int, gen: int, fut: Future[Any], rebuild: Rebuild) -> None:
+        """Rebuild a batch in pieces for one step; again later, or hand it on once complete."""
+        if self.terminal or gen != self.generation:
+            rebuild.close()  # ended, or resubmitted to replacement workers
+            return
+        received = rebuild.step(_transport.DECODE_STEP_S)
+        if received is None:
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+                # Behind every callback ready now: a service's requests run between the steps.
+                asyncio.get_running_loop().call_soon(
+                    self._rebuild_step, send_idx, gen, fut, rebuild
+                )
+            return
+        self._on_done(send_idx, gen, fut, received)
 
     def _on_done(self, send_idx: int, gen: int, fut: Future[Any], received: Any) -> None:
         if self.terminal or gen != self.generation or fut.cancelled():
@@ -538,36 +563,67 @@ class Lost(Failure):
     """A batch whose shared memory could not be received: a crash if its worker is dead."""
 
 
-def receive(fut: Future[Any]) -> Any:
+def receive(fut: Future[Any], stepwise: bool = False) -> Any:
     """Rebuild a finished task's batch. Runs in: the loop (a lane), or the thread that completed
     the task (an executor's manager thread, a fetch thread).
 
     Returns the :class:`~aioloader._worker.Result` with its ``data`` decoded into ``Direct`` (or a
-    ``Failure`` to raise at the batch's position), or None if the task did not complete. Never
-    raises: an exception escaping here would lose the batch.
+    ``Failure`` to raise at the batch's position), or None if the task did not complete; with
+    ``stepwise``, a batch that came in pieces is not rebuilt: a :class:`Rebuild` to step through
+    is returned instead. Never raises: an exception escaping here would lose the batch.
     """
     if fut.cancelled() or fut.exception() is not None:
         return None
     res: _worker.Result = fut.result()
     if not isinstance(res.data, bytes):
         return res
-    try:
-        buffers: list[tuple[_transport.BufferPool, int]] = []
-        value = _transport.loads_result(res.data, buffers)
-        return res._replace(data=Direct(value, tuple(buffers)))
-    except (OSError, RuntimeError, EOFError) as exc:
-        # At the descriptor limit, receiving a batch's fd fails with EMFILE, or with
-        # multiprocessing's "received 0 items of ancdata" when the fd was dropped.
-        if getattr(exc, "errno", None) == errno.EMFILE or "ancdata" in str(exc):
-            return res._replace(data=Failure(emfile_error(exc)))
-        # Otherwise the worker that holds the batch's memory may have died after sending it.
-        return res._replace(data=Lost(exc))
-    except Exception as exc:
-        return res._replace(data=Failure(exc))
-    except BaseException as exc:  # e.g. SystemExit from a custom type's unpickling
-        err = RuntimeError(
-            f"Caught {type(exc).__name__} while unpickling batch send_idx={res.send_idx} "
-            "in the main process"
-        )
-        err.__cause__ = exc
-        return res._replace(data=Failure(err))
+    rebuild = Rebuild(res)
+    if stepwise and _transport.in_pieces(res.data):
+        return rebuild
+    return rebuild.step()
+
+
+class Rebuild:
+    """A finished task's batch being rebuilt, a step at a time (see
+    :class:`~aioloader._transport.PieceDecoder`). Runs in: one thread at a time."""
+
+    def __init__(self, res: _worker.Result) -> None:
+        self.res = res
+        self.buffers: list[tuple[_transport.BufferPool, int]] = []
+        self.decoder: _transport.PieceDecoder | None = None
+
+    def close(self) -> None:
+        """Give back what an unfinished rebuild holds."""
+        if self.decoder is not None:
+            self.decoder.close()
+
+    def step(self, budget: float = math.inf) -> Any:
+        """Rebuild for about ``budget`` seconds: the result as :func:`receive` returns it once
+        complete, None before. Never raises."""
+        res = self.res
+        assert isinstance(res.data, bytes)
+        try:
+            if self.decoder is None:
+                if not _transport.in_pieces(res.data):  # one pickle: loaded at once
+                    value = _transport.loads_result(res.data, self.buffers)
+                    return res._replace(data=Direct(value, tuple(self.buffers)))
+                self.decoder = _transport.PieceDecoder(res.data, self.buffers)
+            if not self.decoder.step(budget):
+                return None
+            return res._replace(data=Direct(self.decoder.value, tuple(self.buffers)))
+        except (OSError, RuntimeError, EOFError) as exc:
+            # At the descriptor limit, receiving a batch's fd fails with EMFILE, or with
+            # multiprocessing's "received 0 items of ancdata" when the fd was dropped.
+            if getattr(exc, "errno", None) == errno.EMFILE or "ancdata" in str(exc):
+                return res._replace(data=Failure(emfile_error(exc)))
+            # Otherwise the worker that holds the batch's memory may have died after sending it.
+            return res._replace(data=Lost(exc))
+        except Exception as exc:
+            return res._replace(data=Failure(exc))
+        except BaseException as exc:  # e.g. SystemExit from a custom type's unpickling
+            err = RuntimeError(
+                f"Caught {type(exc).__name__} while unpickling batch send_idx={res.send_idx} "
+                "in the main process"
+            )
+            err.__cause__ = exc
+            return res._replace(data=Failure(err))

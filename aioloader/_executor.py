@@ -625,6 +625,12 @@ class WorkerPool:
             and all(w is not r for r in self._wakeups)
         ]
 
+    def pids(self) -> list[int]:
+        """The worker processes' ids (those started so far; none once the pool is stopped)."""
+        if self._stopped:
+            return []
+        return [p.pid for p in self._procs if p.pid is not None]
+
     def sentinels(self) -> list[int]:
         """One fd per worker process that becomes readable when the process ends (none once
         the pool is stopped: the descriptors are closed then)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -51,6 +52,7 @@ from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
 from ._executor import WorkerPool
 from ._phase import Phase
+from ._priority import PriorityMonitor
 from ._records import Counters, LoaderStats, Plan, StreamInput
 from ._remote import FetchPolicy, InWorkers, check_no_client, check_policy
 from ._resume import Position, Progress, Start
@@ -94,10 +96,11 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             ``None`` or ``"cpu"`` keeps batches on the host.
         device_prefetch: Batches kept ready on the device (or pinned) ahead of the consumer, so
             the copy of the next batch overlaps the compute on this one.
-        worker_nice: Niceness added to each worker process (0-19; default 5). Workers run at a
-            lower CPU priority than the process that runs the event loop, so on a busy machine
-            the loop (and the training step) wake promptly; 0 keeps torch's equal priority.
-            Worker processes only.
+        worker_nice: Niceness added to each worker process (0-19), fixed. The default (None)
+            adapts it: workers run at torch's priority (nice 0) while the event loop's lateness
+            stays within its bound or other processes compete for the cores, and at nice 5 while
+            the workers themselves make the loop late (see docs/service.md). Worker processes
+            only.
         max_worker_restarts: Worker pools the loader may replace per epoch after a worker process
             dies; the batches in flight are resubmitted, so no sample is lost or repeated.
             0 fails at the first crash, as torch does. An index batch that kills its worker twice
@@ -232,11 +235,14 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         _check_int("max_worker_restarts", max_worker_restarts, 0, None, "a non-negative int")
         _check_executor(executor, num_workers, multiprocessing_context, worker_nice)
         self.executor = executor
-        if worker_nice is None:
-            worker_nice = 5
-        _check_int(
-            "worker_nice", worker_nice, 0, 19, "an int from 0 (the main process's priority) to 19"
-        )
+        if worker_nice is not None:
+            _check_int(
+                "worker_nice",
+                worker_nice,
+                0,
+                19,
+                "an int from 0 (the main process's priority) to 19, or None (adaptive)",
+            )
         _check_int(
             "device_prefetch",
             device_prefetch,
@@ -300,6 +306,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self._epochs: weakref.WeakSet[Epoch] = weakref.WeakSet()
         self._closing: asyncio.Task[None] | None = None
         self._persistent_pool: Backend | None = None
+        # worker_nice=None: the workers' niceness follows the loop's lateness (_priority).
+        self._priority: PriorityMonitor | None = None
         # A forked child (a worker, of this or a later loader) inherits this object; if garbage
         # collection frees it there, its pool is the parent's and must be left alone.
         self._pid = os.getpid()
@@ -538,11 +546,11 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         seeding = self.seeding
         if seeding not in ("worker", "batch"):
             raise ValueError(f"seeding should be 'worker' or 'batch', got {seeding!r}")
-        _check_int("worker_nice", self.worker_nice, 0, 19, "an int from 0 to 19")
+        if self.worker_nice is not None:  # None: adaptive (_priority)
+            _check_int("worker_nice", self.worker_nice, 0, 19, "an int from 0 to 19")
         _check_int("device_prefetch", self.device_prefetch, 1, None, "a positive int")
         _check_int("max_worker_restarts", self.max_worker_restarts, 0, None, "a non-negative int")
-        # (worker_nice is not checked against the executor: it has a default, unlike in __init__)
-        _check_executor(self.executor, workers, self.multiprocessing_context, None)
+        _check_executor(self.executor, workers, self.multiprocessing_context, self.worker_nice)
         DeviceStage(pin_memory=False, device=self.device)  # checks the device
         stream = self._stream
         if stream is not None:
@@ -929,6 +937,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             for task in tasks:
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     _logger.error("aioloader: an epoch's cleanup failed", exc_info=task.exception())
+        if self._priority is not None:
+            self._priority.pause()
         pool, self._persistent_pool = self._persistent_pool, None
         if pool is not None:
             try:
@@ -991,7 +1001,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             auto_collation=plan.batch_sampler_given,
             drop_last=plan.drop_last,
             main_pid=os.getpid(),
-            nice=plan.worker_nice,
+            # Adaptive by default: workers start at 0 and the monitor renices them (_priority).
+            nice=plan.worker_nice if plan.worker_nice is not None else 0,
             payload_file=payload,
             objects=objects_or_none,
             fixed_worker_id=None,
@@ -1077,7 +1088,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             )
             return backend, True
         if not plan.persistent:
-            return await self._new_pool(plan, base_seed), True
+            pool = await self._new_pool(plan, base_seed)
+            self._watch_priority(pool)
+            return pool, True
         loop = asyncio.get_running_loop()
         if self._pool_lock is None or self._pool_lock_loop is not loop:
             self._pool_lock, self._pool_lock_loop = asyncio.Lock(), loop
@@ -1095,12 +1108,25 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             if self._persistent_pool is None:
                 self._persistent_pool = await self._new_pool(plan, base_seed)
                 self._persistent_pool_busy = False
+            self._watch_priority(self._persistent_pool)
             return self._persistent_pool, False
+
+    def _watch_priority(self, backend: Backend) -> None:
+        """worker_nice=None: renice ``backend``'s worker processes as the loop's lateness says,
+        while an epoch of this loader runs (see _priority)."""
+        pids = getattr(backend, "pids", None)
+        if self.worker_nice is not None or pids is None:
+            return
+        if self._priority is None:
+            self._priority = PriorityMonitor(_running_epochs(weakref.ref(self)))
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to sample on
+            self._priority.watch(pids)
 
     def _backend_replaced(self, old: Backend, new: Backend) -> None:
         """Crash recovery replaced ``old``: a persistent pool is now ``new``."""
         if self._persistent_pool is old:
             self._persistent_pool = new
+        self._watch_priority(new)
 
     def _persistent_pool_kept(self, *, busy: bool) -> None:
         """An epoch ended with the persistent pool healthy: it serves the next epoch.
@@ -1180,12 +1206,25 @@ class _Host:
         loader = self._ref()
         if loader is not None:
             loader._epochs.discard(epoch)  # type: ignore[arg-type]
+            if loader._priority is not None and not _running_epochs(self._ref)():
+                loader._priority.pause()
 
     def track_cleanup(self, task: asyncio.Task[None]) -> None:
         self._loader()._track_cleanup(task)
 
     def check_loop(self, loop: asyncio.AbstractEventLoop, what: str) -> None:
         self._loader()._check_loop(loop, what)
+
+
+def _running_epochs(ref: weakref.ref[AsyncDataLoader[Any]]) -> Callable[[], bool]:
+    """Whether the loader behind ``ref`` has an epoch running (weakly: the loop's timer holds
+    the priority monitor, which must not keep a dropped loader alive)."""
+
+    def running() -> bool:
+        loader = ref()
+        return loader is not None and any(not e.terminal for e in list(loader._epochs))
+
+    return running
 
 
 class _EpochIterator(Generic[_E]):

@@ -63,6 +63,11 @@ from typing import Any
 
 from . import _ahead
 
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ("Executor", "close_pipes", "kill_executors", "quiet_fork_warning", "release_semaphores")
 
 
@@ -260,6 +265,7 @@ class Lane:
         self.call_r, self.call_w = ctx.Pipe(duplex=False)
         self.result_r, self.result_w = ctx.Pipe(duplex=False)
         _remember(self.call_r, self.call_w, self.result_r, self.result_w)
+        _grow_pipe(self.result_w.fileno())
         # Guards the futures' hand-over between the loop and a thread that fails them all:
         # whoever pops a future from _pending/_queued completes it.
         self._lock = threading.Lock()
@@ -551,6 +557,22 @@ class Lane:
                 conn.close()
         self._out.clear()
         self._in.clear()
+
+
+#: A result pipe holds this much (Linux; the default 64 KiB elsewhere or where refused). A batch
+#: of Python objects pickles to hundreds of KiB: through 64 KiB the worker wrote it in pieces,
+#: sleeping between them, and every read by the loop woke it again, so the loop's callback that
+#: read the result was preempted by the worker it had just woken (a 730 KB `text` batch: callbacks
+#: of 2+ ms wall-clock for 1 ms of CPU).
+RESULT_PIPE_BYTES = 1 << 20
+
+
+def _grow_pipe(fd: int) -> None:
+    set_size = getattr(fcntl, "F_SETPIPE_SZ", None) if fcntl is not None else None
+    if set_size is None:
+        return
+    with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size, or another limit
+        fcntl.fcntl(fd, set_size, RESULT_PIPE_BYTES)
 
 
 class _LockedWakeup(_private._ThreadWakeup):  # type: ignore[misc]

@@ -131,7 +131,7 @@ class Plan:
     mp_context: BaseContext
     executor: str | Launcher
     #: Niceness added to each worker process.
-    worker_nice: int
+    worker_nice: int | None
     #: What the epoch's base seed (and an IterDataPipe's shared seed) are drawn from.
     generator: torch.Generator | None
     #: The dataset's ``repr`` and the length torch's ``len()`` promised for an IterableDataset

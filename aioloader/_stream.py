@@ -32,6 +32,7 @@ is never acknowledged; neither is the last batch of an epoch left by ``break``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -199,22 +200,71 @@ class _End(NamedTuple):
 
 
 class _Reader:
-    """Runs in: one task per epoch. Source -> ``buffer`` (bounded), each sample with its arrival.
+    """Runs in: one task per epoch. Source -> a bounded buffer of samples, each with its arrival.
 
-    Reading in one task and draining the buffer without suspending keeps the cost per sample to
-    a queue put and get; waiting for the source sample by sample cost ~100 us each.
+    Reading in one task and draining the buffer without suspending keeps the cost per sample
+    low; waiting for the source sample by sample cost ~100 us each. The buffer is two deques
+    (samples, arrival times), not a queue of pairs: the reader appends with no coroutine, pair or
+    queue operation per sample, and the window builder takes everything there with one
+    ``extend`` (see :meth:`take`). At most ``size`` samples wait in it, and the reader holds
+    one more while it is full.
     """
 
     def __init__(self, source: Any, size: int) -> None:
         self.source = source
-        self.buffer: asyncio.Queue[tuple[Any, float] | _End] = asyncio.Queue(maxsize=size)
+        self.size = size
+        self.samples: collections.deque[Any] = collections.deque()
+        self.arrived: collections.deque[float] = collections.deque()
+        #: Set after the last sample: the source ran dry or failed.
+        self.end: _End | None = None
         self.stopping = False
         # The source's client (__aenter__/__aexit__, if it has them) lives as long as the read.
         self.client = SampleFetcher(source, FetchPolicy(), 1)
+        self._data: asyncio.Future[None] | None = None  # the builder, waiting for a sample
+        self._room: asyncio.Future[None] | None = None  # the reader, waiting for room
+
+    def ready(self) -> bool:
+        """Whether a sample (or the end) waits."""
+        return bool(self.samples) or self.end is not None
+
+    async def wait(self) -> None:
+        """Until :meth:`ready`. Cancel-safe: nothing is taken."""
+        while not self.ready():
+            self._data = asyncio.get_running_loop().create_future()
+            try:
+                await self._data
+            finally:
+                self._data = None
+
+    def take(self, window: list[Any], n: int) -> float:
+        """Move up to ``n`` waiting samples (at least one must wait) to ``window``; the arrival
+        time of the first one moved."""
+        samples, arrived = self.samples, self.arrived
+        first = arrived[0]
+        if n >= len(samples):
+            window.extend(samples)
+            samples.clear()
+            arrived.clear()
+        else:
+            pop, pop_time = samples.popleft, arrived.popleft
+            for _ in range(n):
+                window.append(pop())
+                pop_time()
+        self._wake(self._room)
+        return first
+
+    @staticmethod
+    def _wake(fut: asyncio.Future[None] | None) -> None:
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _finish(self, end: _End) -> None:
+        self.end = end
+        self._wake(self._data)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        buffer = self.buffer
+        samples, arrived, size, now = self.samples, self.arrived, self.size, loop.time
         it: Any = None
         try:
             await self.client.open()
@@ -222,7 +272,19 @@ class _Reader:
             async for sample in it:
                 if self.stopping:
                     return
-                await buffer.put((sample, loop.time()))
+                t = now()
+                # Full: hold this sample until there is room (then read the next), as a queue's
+                # put() would.
+                while len(samples) >= size and not self.stopping:
+                    self._room = loop.create_future()
+                    try:
+                        await self._room
+                    finally:
+                        self._room = None
+                samples.append(sample)
+                arrived.append(t)
+                if self._data is not None:
+                    self._wake(self._data)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # the source failed: raised at its position in the stream
@@ -230,10 +292,10 @@ class _Reader:
                 raise
             # Anything, a CancelledError it raised itself included, must reach the consumer:
             # a reader that just died would leave it waiting for ever.
-            await buffer.put(_End(user_error(exc, "the async source")))
+            self._finish(_End(user_error(exc, "the async source")))
         else:
             if not self.stopping:
-                await buffer.put(_End(None))
+                self._finish(_End(None))
         finally:
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
@@ -257,8 +319,9 @@ class _Reader:
             # Again each round: a source that swallowed one cancellation (taking it for a
             # dropped connection) and awaits again gets the next one.
             task.cancel()
-            while not self.buffer.empty():
-                self.buffer.get_nowait()  # wakes a reader waiting for room
+            self.samples.clear()
+            self.arrived.clear()
+            self._wake(self._room)  # wakes a reader waiting for room
             if loop.time() >= give_up:
                 warnings.warn(
                     f"aioloader: the async source {self.source!r} did not stop within "
@@ -289,7 +352,6 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
         )
     # At most one window's worth read ahead of the open window: the backpressure bound.
     reading = _Reader(stream.source, size)
-    buffer = reading.buffer
     reader = start_task(loop, reading.run(), name="aioloader-source-reader")
     # Samples of a window still filling go ahead to its worker whenever the source makes the
     # window wait, so their transform runs meanwhile and only the last few are left for when
@@ -308,7 +370,7 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
             deadline: float | None = None
             end: _End | None = None
             while len(window) < size:
-                if buffer.empty():
+                if not reading.ready():
                     # Only when the source kept us waiting last time too: a paced source. One
                     # that hands over control at every sample but has the next one ready at
                     # once would cost a post per sample; an unpaced one never empties the buffer.
@@ -323,24 +385,22 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                         epoch.window_ahead = (send_idx, window)
                     began = loop.time()
                     if deadline is None:
-                        item = await buffer.get()
+                        await reading.wait()
                     else:
                         remaining = deadline - loop.time()
                         if remaining <= 0:
                             break  # closed by time
                         try:
                             async with asyncio.timeout(remaining):
-                                item = await buffer.get()  # cancel-safe: nothing is lost
+                                await reading.wait()  # cancel-safe: nothing is taken
                         except TimeoutError:
                             break  # closed by time
                     waited = loop.time() - began
-                else:
-                    item = buffer.get_nowait()
-                if isinstance(item, _End):
-                    end = item
+                if not reading.samples:
+                    end = reading.end
                     break
-                sample, arrived = item
-                window.append(sample)
+                # Every sample waiting (up to the window's room) in one go.
+                arrived = reading.take(window, size - len(window))
                 if deadline is None and latency is not None:
                     deadline = arrived + latency
             error = end.error if end is not None else None

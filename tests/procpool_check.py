@@ -33,8 +33,15 @@ HANG_S = 4.0
 
 
 def load_procpool() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "aioloader" / "_procpool.py"
-    spec = importlib.util.spec_from_file_location("aioloader_procpool_check", path)
+    # A stand-in package over aioloader's folder: _procpool's relative imports (_ahead, torch-free
+    # like it) resolve there, and the real package's __init__ (which imports torch) never runs.
+    folder = Path(__file__).resolve().parents[1] / "aioloader"
+    package = ModuleType("aioloader_procpool_check")
+    package.__path__ = [str(folder)]
+    sys.modules[package.__name__] = package
+    spec = importlib.util.spec_from_file_location(
+        f"{package.__name__}._procpool", folder / "_procpool.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod

@@ -198,8 +198,6 @@ def test_remote_workload_runs_every_kind_of_row_against_a_real_store() -> None:
         warmup_s=0.1,
     )
     for col in cols:
-        if col == AIO and not res[AIO]:
-            continue  # the loader has no fetch_in= yet: the column is n/a
         assert len(res[col]) == 1 and res[col][0].samples > 0, col
     assert set(peaks) >= {"torch", TORCH_ASYNC, AIO_LOOP_0}
     assert store_cpu >= 0
@@ -217,3 +215,19 @@ def test_remote_workload_is_registered() -> None:
     assert "remote" in WORKLOADS and "remote" in BENCHES
     args = parse_args(["--workload", "remote", "--remote-grid"])
     assert args.names == ["remote"] and args.remote_grid
+
+
+def test_the_text_workload_reports_throughput_and_loop_lag(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioloader.benchmark import text
+    from aioloader.benchmark._harness import AIO, TORCH, Config
+
+    monkeypatch.setattr(text, "plan", lambda cfg, full, quick: max(3, quick // 5))
+    cfg = Config(2, 3, True, [TORCH, AIO], lambda msg: None)
+    rows = {r.metric: r for r in text.bench_text(cfg)}
+    rate = rows[f"batches/s (batch 32 x {text.STRINGS} strings)"]
+    assert rate.median(TORCH) > 0 and rate.median(AIO) > 0
+    lag = rows["p99 loop lag ms, floor (2 spinning procs, no loader)"]
+    assert len(lag.rounds[TORCH]) == 3 and len(lag.rounds[AIO]) == 3  # floor and aioloader
+    assert lag.passed is not None
+    # The batches are lists of lists of strings, equal to what the dataset gives.
+    assert text.keep_list([["a"]]) == [["a"]]

@@ -278,15 +278,21 @@ async def test_a_forked_workers_garbage_collection_leaves_what_it_inherited_shar
     assert int(after) - int(before) < 8 * 1024, (before, after)
 
 
-async def test_workers_run_at_lower_priority_by_default() -> None:
+async def test_workers_start_at_torchs_priority_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aioloader import _priority
+
     class Nice(datasets.RangeDataset):
         def __getitem__(self, i: int) -> Any:
             import os
 
             return torch.tensor(os.nice(0))
 
+    # worker_nice=None adapts (see test_priority.py) from nice 0 relative to this process.
+    monkeypatch.setattr(_priority, "_last_level", 0)
     base = os.nice(0)
-    for nice, expected in ((None, base + 5), (0, base)):
+    for nice, expected in ((None, base), (5, base + 5), (0, base)):
         kw = {} if nice is None else {"worker_nice": nice}
         async with AsyncDataLoader(Nice(2), batch_size=None, num_workers=1, **kw) as loader:
             got = {int(b) for b in await collect(loader)}

@@ -43,6 +43,7 @@ from aioloader.benchmark.resume import bench_resume
 from aioloader.benchmark.skewed import bench_skewed
 from aioloader.benchmark.startup import bench_startup
 from aioloader.benchmark.stream import bench_stream
+from aioloader.benchmark.text import bench_text
 from aioloader.benchmark.tiny import TinyDataset, bench_tiny
 from aioloader.benchmark.user_dataset import bench_dataset
 
@@ -58,6 +59,7 @@ WORKLOADS = (
     "resume",
     "stream",
     "remote",
+    "text",
 )
 #: Run only when named: ``backends`` compares the executors (and starts a local Ray cluster).
 OPTIONAL_WORKLOADS = ("backends",)
@@ -75,6 +77,7 @@ BENCHES: dict[str, Callable[[Config], list[Row]]] = {
     "resume": bench_resume,
     "stream": bench_stream,
     "remote": bench_remote,
+    "text": bench_text,
     "dataset": bench_dataset,
     "backends": backends.bench_backends,
 }
