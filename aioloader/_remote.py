@@ -182,7 +182,9 @@ class FetchPolicy:
         retry_on: Whether an exception is transient. Default: :func:`is_transient`.
         hedge: ``None`` (off), or a quantile in ``[0.5, 1)``: a call still running after that
             quantile of the recent calls' durations gets a second, identical call; the first
-            answer wins and the other call is cancelled. ``__getitem__`` calls only.
+            answer wins and the other call is cancelled. ``__getitem__`` calls only. Hedged
+            calls run beside the ``source_concurrency`` others, at most an eighth as many
+            (at least one) at a time.
         hedge_min_calls: Calls that must have completed before hedging starts.
     """
 
@@ -343,11 +345,12 @@ class _Entries:
 os.register_at_fork(after_in_child=_Entries.forget)
 
 
-async def _contained(coro: Any) -> Any:
-    """``await coro`` in a task of its own: a ``SystemExit`` or ``KeyboardInterrupt`` from the
-    dataset would leave such a task by stopping its event loop; it travels as ``_Escaped``."""
+async def _contained(fn: Callable[..., Any], *args: Any) -> Any:
+    """``await fn(*args)`` in a task of its own: a ``SystemExit`` or ``KeyboardInterrupt`` from
+    the dataset would leave such a task by stopping its event loop; it travels as ``_Escaped``.
+    (The coroutine is made inside: a task cancelled before it starts leaves none unawaited.)"""
     try:
-        return await coro
+        return await fn(*args)
     except (SystemExit, KeyboardInterrupt) as exc:
         raise _Escaped(exc) from exc
 
@@ -369,6 +372,7 @@ class SampleFetcher:
         self.dataset = dataset
         self.policy = policy
         self._calls = asyncio.Semaphore(concurrency)
+        self._hedges = asyncio.Semaphore(max(1, concurrency // 8))
         self._latency = _Latency()
         self._entered = False
         self._enter_lock = asyncio.Lock()
@@ -414,7 +418,7 @@ class SampleFetcher:
                 await self._with_retries(what, lambda _: self._attempt(getitems, what), what)
             )
         tasks = [
-            asyncio.ensure_future(_contained(self._with_retries(idx, self._hedged, idx)))
+            asyncio.ensure_future(_contained(self._with_retries, idx, self._hedged, idx))
             for idx in indices
         ]
         try:
@@ -464,8 +468,9 @@ class SampleFetcher:
         return self.dataset[idx]
 
     async def _second_call(self, idx: Any) -> Any:
-        # A hedge is one more request in flight: it waits for a slot as any call does.
-        async with self._calls:
+        # A hedge has slots of its own (an eighth of source_concurrency, at least one): in the
+        # queue for an ordinary slot it would wait behind the very requests it races.
+        async with self._hedges:
             return await self._attempt(self._getitem, idx)
 
     async def _hedged(self, idx: Any) -> Any:
@@ -473,13 +478,13 @@ class SampleFetcher:
         after = None if q is None else self._latency.quantile(q, self.policy.hedge_min_calls)
         if after is None:
             return await self._attempt(self._getitem, idx)
-        tasks = {asyncio.ensure_future(_contained(self._attempt(self._getitem, idx)))}
+        tasks = {asyncio.ensure_future(_contained(self._attempt, self._getitem, idx))}
         first = next(iter(tasks))
         try:
             done, _ = await asyncio.wait(tasks, timeout=after)
             if not done:
                 self.hedged += 1
-                tasks.add(asyncio.ensure_future(_contained(self._second_call(idx))))
+                tasks.add(asyncio.ensure_future(_contained(self._second_call, idx)))
             while True:
                 done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:

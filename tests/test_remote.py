@@ -434,7 +434,7 @@ async def test_a_retry_does_not_shift_the_workers_random_draws(fetch_in: str) ->
 
 
 @pytest.mark.parametrize("fetch_in", ["workers", "loop"])
-async def test_hedged_calls_stay_within_source_concurrency(fetch_in: str) -> None:
+async def test_hedged_calls_stay_within_their_bound(fetch_in: str) -> None:
     ds = rd.SlowFirstCall(120, slow=set(range(40, 120, 3)), slow_s=0.3, delay=0.01)
     async with AsyncDataLoader(
         ds,
@@ -446,7 +446,8 @@ async def test_hedged_calls_stay_within_source_concurrency(fetch_in: str) -> Non
     ) as loader:
         got = await collect(loader)
     assert rd.values(got) == list(range(120))
-    assert max(int(v) for b in got for v in b["in_flight"]) <= 4
+    # source_concurrency=4, and one hedged call beside them (an eighth, at least one).
+    assert max(int(v) for b in got for v in b["in_flight"]) <= 5
 
 
 async def test_an_async_iterable_read_on_the_loop_opens_its_client() -> None:

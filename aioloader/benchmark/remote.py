@@ -738,4 +738,92 @@ def bench_remote(cfg: Config) -> list[Row]:
             progress=cfg.progress,
         )
         rows += rows_for(setting, res, peaks, store_cpu)
+    rows += bench_tail(cfg)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# The tail: 1 % of requests 20x slower, hedging off and on
+# --------------------------------------------------------------------------------------------
+
+HEDGE_OFF = "hedge-off"
+HEDGE_ON = "hedge-on"
+#: The quantile hedging uses in this measurement (FetchPolicy.hedge).
+TAIL_HEDGE = 0.9
+
+
+def _batch_times(base: str, count: int, hedge: float | None, batches: int) -> list[float]:
+    """Seconds each batch's requests took (the first request's start to the last answer), for
+    an async dataset read by aioloader's fetcher with and without hedging; ``num_workers=0``,
+    so the fetcher runs here and its calls can be timed (the workers run the same code)."""
+    from aioloader import AsyncDataLoader, FetchPolicy
+    from aioloader._remote import SampleFetcher
+
+    times: list[float] = []
+    original = SampleFetcher.samples
+
+    async def timed(self: SampleFetcher, indices: Any, batched: bool) -> list[Any]:
+        start = time.perf_counter()
+        try:
+            return await original(self, indices, batched)
+        finally:
+            times.append(time.perf_counter() - start)
+
+    async def go() -> None:
+        policy = FetchPolicy(hedge=hedge, hedge_min_calls=100) if hedge else FetchPolicy()
+        ds = AsyncHttpDataset(base, count, out="tensor", limit=IN_FLIGHT)
+        loader = AsyncDataLoader(
+            ds,
+            batch_size=BATCH,
+            num_workers=0,
+            source_concurrency=IN_FLIGHT,
+            fetch_policy=policy,
+        )
+        async with loader:
+            seen = 0
+            async for _ in loader:
+                seen += 1
+                if seen >= batches:
+                    break
+
+    SampleFetcher.samples = timed  # type: ignore[method-assign]
+    try:
+        asyncio.run(go())
+    finally:
+        SampleFetcher.samples = original  # type: ignore[method-assign]
+    return times[20:]  # the first batches fill the latency history hedging reads
+
+
+def bench_tail(cfg: Config) -> list[Row]:
+    """p50 and p99 time per batch (20 ms latency, 10 KB objects, 1 % of requests 20x slower),
+    hedging off and on; target: p99 at most 2x the p50 with hedging on."""
+    from aioloader.benchmark._store import start_store
+
+    batches = 60 if cfg.quick else 200
+    p50: dict[str, list[float]] = {HEDGE_OFF: [], HEDGE_ON: []}
+    p99: dict[str, list[float]] = {HEDGE_OFF: [], HEDGE_ON: []}
+    spread: dict[str, list[float]] = {HEDGE_OFF: [], HEDGE_ON: []}
+    count = 4096
+    with start_store(
+        latency_ms=20, size=10_000, count=count, slow_fraction=0.01, slow_factor=20
+    ) as store:
+        for r in range(cfg.rounds):
+            for col, hedge in ((HEDGE_OFF, None), (HEDGE_ON, TAIL_HEDGE)):
+                cfg.progress(f"remote tail: round {r + 1}/{cfg.rounds}, {col}")
+                times = sorted(_batch_times(store.url, count, hedge, batches))
+                mid = statistics.median(times) * 1e3
+                high = times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3
+                p50[col].append(mid)
+                p99[col].append(high)
+                spread[col].append(high / mid)
+    label = " (20 ms, 10 KB, 1 % of requests 20x slower)"
+    note = f"aioloader, num_workers=0, FetchPolicy(hedge={TAIL_HEDGE}) for {HEDGE_ON}"
+    rows = [
+        Row("remote", f"p50 ms per batch{label}", "lower", p50, note=note),
+        Row("remote", f"p99 ms per batch{label}", "lower", p99, note=note),
+        Row("remote", f"p99 / p50 per batch{label}", "lower", spread, note=note),
+    ]
+    on = rows[2].median(HEDGE_ON)
+    rows[2].target = "hedge-on <= 2"
+    rows[2].passed = None if on is None else on <= 2.0
     return rows
