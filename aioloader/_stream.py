@@ -41,6 +41,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+from torch.utils.data import IterableDataset
+
 from ._records import Failure, Flight, StreamInput
 from ._remote import FetchPolicy, SampleFetcher
 from ._resume import batch_seed
@@ -218,8 +220,12 @@ class _Reader:
         #: Set after the last sample: the source ran dry or failed.
         self.end: _End | None = None
         self.stopping = False
-        # The source's client (__aenter__/__aexit__, if it has them) lives as long as the read.
-        self.client = SampleFetcher(source, FetchPolicy(), 1)
+        # An AsyncIterableDataset's client (__aenter__/__aexit__) lives as long as the read, as
+        # in a worker. Any other async iterable (a stream such as RedisStreamSource) is the
+        # caller's to enter and close: it outlives epochs, and its acks come after the read.
+        self.client = (
+            SampleFetcher(source, FetchPolicy(), 1) if isinstance(source, IterableDataset) else None
+        )
         self._data: asyncio.Future[None] | None = None  # the builder, waiting for a sample
         self._room: asyncio.Future[None] | None = None  # the reader, waiting for room
 
@@ -267,7 +273,8 @@ class _Reader:
         samples, arrived, size, now = self.samples, self.arrived, self.size, loop.time
         it: Any = None
         try:
-            await self.client.open()
+            if self.client is not None:
+                await self.client.open()
             it = aiter(self.source)
             async for sample in it:
                 if self.stopping:
@@ -302,7 +309,8 @@ class _Reader:
                 # A source left early (break, cancellation, a crash) releases what it holds now.
                 with contextlib.suppress(Exception):
                     await aclose()
-            await _close_source(self.client)
+            if self.client is not None:
+                await _close_source(self.client)
 
     async def stop(self, task: asyncio.Task[None]) -> None:
         """End the reader (and so the source) and wait for it.
