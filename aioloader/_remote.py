@@ -183,8 +183,8 @@ class FetchPolicy:
         hedge: ``None`` (off), or a quantile in ``[0.5, 1)``: a call still running after that
             quantile of the recent calls' durations gets a second, identical call; the first
             answer wins and the other call is cancelled. ``__getitem__`` calls only. Hedged
-            calls run beside the ``source_concurrency`` others, at most an eighth as many
-            (at least one) at a time.
+            calls run beside the ``source_concurrency`` others, at most
+            ``2 * (1 - hedge) * source_concurrency`` of them (at least one) at a time.
         hedge_min_calls: Calls that must have completed before hedging starts.
     """
 
@@ -372,7 +372,10 @@ class SampleFetcher:
         self.dataset = dataset
         self.policy = policy
         self._calls = asyncio.Semaphore(concurrency)
-        self._hedges = asyncio.Semaphore(max(1, concurrency // 8))
+        # Hedged calls run beside the others: twice the share a quantile of q hedges, so
+        # that they do not queue for each other (0.9: a fifth of concurrency; 0.99: 2 in 100).
+        q = policy.hedge if policy.hedge is not None else 1.0
+        self._hedges = asyncio.Semaphore(max(1, math.ceil(2 * (1 - q) * concurrency)))
         self._latency = _Latency()
         self._entered = False
         self._enter_lock = asyncio.Lock()
@@ -468,8 +471,8 @@ class SampleFetcher:
         return self.dataset[idx]
 
     async def _second_call(self, idx: Any) -> Any:
-        # A hedge has slots of its own (an eighth of source_concurrency, at least one): in the
-        # queue for an ordinary slot it would wait behind the very requests it races.
+        # A hedge has slots of its own: in the queue for an ordinary slot it would wait behind
+        # the very requests it races.
         async with self._hedges:
             return await self._attempt(self._getitem, idx)
 
