@@ -278,9 +278,6 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         # fetch_in="workers": what the workers are sent instead of the bare dataset (see
         # _worker_dataset); None otherwise.
         self._remote = remote
-        self._fetch_policy = (
-            stream.policy if stream is not None else (remote.policy if remote is not None else None)
-        )
         self._torch = torch_loader
         # An AsyncIterableDataset read on this loop is a stream (its windows go to the workers
         # as Samples), not an IterableDataset the workers iterate.
@@ -1045,7 +1042,11 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
     def fetch_policy(self) -> FetchPolicy | None:
         """Timeouts, retries and hedging of an async map-style dataset's calls; None for other
         datasets. Fixed at construction."""
-        return self._fetch_policy
+        if self._remote is not None and not self._is_iterable:
+            return self._remote.policy
+        if self._stream is not None and self._stream.kind == "map":
+            return self._stream.policy
+        return None
 
     async def _new_pool(self, plan: Plan, base_seed: int) -> Backend:
         """Start a set of ``plan.num_workers`` workers of the plan's executor."""
@@ -1416,52 +1417,30 @@ def _stream_input(
                 "sampler and batch_sampler cannot apply to an async iterable source: it has no "
                 "indices (batches are formed by batch_size and max_batch_latency)"
             )
-    if kind == "iterable" and isinstance(dataset, IterableDataset):
-        # torch's IterableDataset with __aiter__: by default each worker iterates its own
-        # replica (sharded by get_worker_info(), as torch's), on its own event loop.
+    if kind == "map" or is_torch_iterable:
+        # An async map-style dataset, or torch's IterableDataset with __aiter__ (each worker
+        # iterates its own replica, sharded by get_worker_info() as torch's): by default the
+        # workers fetch, each on an event loop of its own. (An async map-style dataset was
+        # refused max_batch_latency above.)
         acks = callable(getattr(dataset, "ack", None))
         workers = isinstance(num_workers, int) and num_workers > 0
         if fetch_in is None:
             fetch_in = "workers" if workers and not acks and latency is None else "loop"
         if fetch_in == "workers":
-            reason = (
-                "needs num_workers > 0"
-                if not workers
-                else "cannot close batches by time (max_batch_latency): only a stream read on "
-                "this loop can"
-                if latency is not None
-                else "cannot acknowledge samples (ack())"
-                if acks
-                else None
-            )
-            if reason is not None:
-                raise ValueError(
-                    f"fetch_in='workers' for {type(dataset).__name__} (an IterableDataset with "
-                    f"__aiter__, iterated in each worker) {reason}; use fetch_in='loop' to read "
-                    "it on this event loop as a stream"
-                )
-            check_no_client(dataset)
-            concurrency = int(source_concurrency)  # type: ignore[call-overload]
-            return None, InWorkers(dataset, policy, concurrency, transform)
-    if kind == "map":
-        acks = callable(getattr(dataset, "ack", None))
-        workers = isinstance(num_workers, int) and num_workers > 0
-        if fetch_in is None:
-            fetch_in = "workers" if workers and not acks else "loop"
-        if fetch_in == "workers":
             if not workers:
-                raise ValueError(
-                    "fetch_in='workers' needs num_workers > 0 (each worker fetches); with "
-                    "num_workers=0 the dataset is fetched on this event loop (fetch_in='loop')"
-                )
-            if acks:
-                raise ValueError(
-                    f"{type(dataset).__name__} has ack(): acknowledged samples are read on this "
-                    "event loop, so use fetch_in='loop'"
-                )
-            check_no_client(dataset)
-            concurrency = int(source_concurrency)  # type: ignore[call-overload]
-            return None, InWorkers(dataset, policy, concurrency, transform)
+                reason = "needs num_workers > 0 (each worker fetches)"
+            elif latency is not None:
+                reason = "cannot close batches by time (max_batch_latency): a stream read here can"
+            elif acks:
+                reason = "cannot acknowledge samples (ack()): they are read on this event loop"
+            else:
+                check_no_client(dataset)
+                concurrency = int(source_concurrency)  # type: ignore[call-overload]
+                return None, InWorkers(dataset, policy, concurrency, transform)
+            raise ValueError(
+                f"fetch_in='workers' for {type(dataset).__name__} {reason}; use "
+                "fetch_in='loop' to read it on this event loop"
+            )
     stream = StreamInput(
         dataset,
         kind,

@@ -915,9 +915,10 @@ def setup(
 
 
 def _attributed(epoch: int, send_idx: int) -> None:
-    """This worker's slot names the batch it works on alone now (its transform and collation)."""
+    """This worker's slot names the batch it works on now (what a crash is blamed on)."""
     slots = _state.slots
     if slots is not None:
+        # The epoch first: a reader that sees this send_idx sees its epoch too.
         _state.epoch_slots[_state.worker_id] = epoch
         slots[_state.worker_id] = send_idx
 
@@ -971,10 +972,7 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
     state: Any = None
     where = f"in DataLoader worker process {wid} while loading batch send_idx={send_idx}"
     slots = _state.slots
-    if slots is not None:
-        # The epoch first: a reader that sees this send_idx sees its epoch too.
-        _state.epoch_slots[wid] = epoch
-        slots[wid] = send_idx
+    _attributed(epoch, send_idx)
     try:
         if spec.is_iterable:
             if _state.epoch != epoch:
