@@ -523,6 +523,13 @@ class WorkerPool:
         first death out and blame a later one.
         """
         deadline = time.monotonic() + settle_s
+        # A broken executor's manager thread stops the other workers and reaps them all: let it
+        # finish first. Reading a forkserver worker's exit code while it does can give 255
+        # (two threads reading one status pipe) instead of the real code.
+        for ex in self._executors:
+            thread = getattr(ex, "_executor_manager_thread", None)
+            if thread is not None and getattr(ex, "_broken", False):
+                thread.join(max(0.0, deadline - time.monotonic()))
         while True:
             ended = set(multiprocessing.connection.wait(self.sentinels(), 0))
             dead = [(wid, p) for wid, p in self._workers if p.sentinel in ended]
@@ -532,10 +539,12 @@ class WorkerPool:
             time.sleep(0.005)
         # The executor SIGTERMs the survivors once it sees one die, SIGKILLs those that outlive
         # it (see _procpool._ManagerThread), and (Python 3.11) asks them to exit, which one that
-        # ignores SIGTERM does with status 0: prefer any other death.
+        # ignores SIGTERM does with status 0: blame the deaths it found first, then any other.
+        first = {pid for ex in self._executors for pid in ex.first_dead_pids}
         killed = {pid for ex in self._executors for pid in ex.killed_pids}
         dead.sort(
             key=lambda wp: (
+                wp[1].pid not in first,
                 wp[1].pid in killed,
                 wp[1].exitcode in (0, -signal.SIGTERM),
                 wp[1].exitcode == 0,

@@ -57,6 +57,7 @@ from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
 from concurrent.futures import process as _process
 from multiprocessing import synchronize, util
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as ready_of
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -140,10 +141,25 @@ class _ManagerThread(_process._ExecutorManagerThread):
                 killed.add(p.pid)
                 p.kill()
 
+    def _note_first_deaths(self) -> None:
+        """Put the pids of the workers dead now, before this thread stops the others, into the
+        executor's ``first_dead_pids``: the crash report blames those. Exit codes cannot tell
+        them apart afterwards: a forkserver worker's exit code read by two threads at once comes
+        out as 255 for one of them (its ``poll`` is not thread-safe), like a real exit(255)."""
+        executor = self.executor_reference()
+        first: set[int] | None = getattr(executor, "first_dead_pids", None)
+        del executor
+        if first is None:
+            return
+        procs = list(self.processes.values())
+        ready = set(ready_of([p.sentinel for p in procs], 0))
+        first.update(p.pid for p in procs if p.sentinel in ready and p.pid is not None)
+
     #: The executor's :class:`Lane`, if it has one (set before the thread starts).
     lane: Lane | None = None
 
     def terminate_broken(self, cause: Any) -> None:
+        self._note_first_deaths()
         lane = self.lane
         if lane is not None:
             # First: CPython joins the workers before it returns (forever for one that ignores
@@ -769,6 +785,9 @@ class Executor(ProcessPoolExecutor):
         self._sigterm_grace = sigterm_grace
         #: Workers the manager thread SIGKILLed because they outlived its SIGTERM.
         self.killed_pids: set[int] = set()
+        #: Workers found dead when the manager thread saw the pool break, before it stopped the
+        #: others (see _ManagerThread._note_first_deaths).
+        self.first_dead_pids: set[int] = set()
         # True until start_workers(): submit() queues tasks and starts nothing (see defer).
         self._deferred = True
 

@@ -653,7 +653,11 @@ async def test_shared_pool_crash_is_blamed_on_the_worker_that_died(one_wave: Non
             with pytest.raises(BrokenProcessPool):
                 await result(f)
         report = await run_off_loop(pool.crash_report, name="test-diagnose")
+        # The manager thread noted the death it saw before it stopped the other two, so an
+        # exit code read as 255 (forkserver's status pipe read by two threads) cannot mislead.
+        assert pool._executors[0].first_dead_pids == {pid}
         assert (report.worker_id, report.pid) == (2, pid)
+        assert report.exitcode == -signal.SIGKILL
         assert (report.epoch, report.send_idx) == busy[2]
     finally:
         await pool.shutdown(graceful=False)
