@@ -106,10 +106,14 @@ class Consumer:
         self._owed_permit = False
         # The end or a fatal error was raised once: later calls see StopAsyncIteration.
         self._done = False
-        # Device stage (pin_memory / device=): a feeder task moves batches from the reorder
-        # buffer through the device thread into _ready, keeping up to device_prefetch ahead.
+        # Device stage (pin_memory / device=): a feeder task hands batches from the reorder
+        # buffer to the device thread as soon as each arrives (_submitted holds them, pending,
+        # in order) and a finisher task moves each finished one into _ready; together they keep
+        # up to device_prefetch batches ahead of the consumer.
         self._stage: DeviceStage | None = None
         self._feed_task: asyncio.Task[None] | None = None
+        self._finish_task: asyncio.Task[None] | None = None
+        self._submitted: asyncio.Queue[Any] = asyncio.Queue()
         self._slots: asyncio.Semaphore | None = None
         self._ready: asyncio.Queue[Any] = asyncio.Queue()
         # The reference-holding guard: the batch delivered last stays referenced until the
@@ -166,17 +170,20 @@ class Consumer:
         stage.start()
         self._stage = stage
         self._slots = asyncio.Semaphore(plan.device_prefetch)
+        loop = asyncio.get_running_loop()
         self._feed_task = start_task(
-            asyncio.get_running_loop(),
-            self._feed(stage),
-            name=f"aioloader-device-feed:{self._epoch.epoch_no}",
+            loop, self._feed(stage), name=f"aioloader-device-feed:{self._epoch.epoch_no}"
+        )
+        self._finish_task = start_task(
+            loop, self._finish(stage), name=f"aioloader-device-finish:{self._epoch.epoch_no}"
         )
 
     def on_end(self, reason: BaseException | None) -> None:
         """The epoch ended: wake a consumer waiting on the device stage with ``reason``."""
         self._last_delivered = None
-        if self._feed_task is not None and not self._feed_task.done():
-            self._feed_task.cancel()
+        for task in (self._feed_task, self._finish_task):
+            if task is not None and not task.done():
+                task.cancel()
         if self._stage is not None:
             self._ready.put_nowait(Failure(reason) if reason is not None else _END)
 
@@ -188,9 +195,11 @@ class Consumer:
     async def aclose(self) -> None:
         """Stop the device stage and drop the batches it prepared. Called by the cleanup."""
         try:
-            if self._feed_task is not None:
-                await asyncio.wait([self._feed_task])
+            tasks = [t for t in (self._feed_task, self._finish_task) if t is not None]
+            if tasks:
+                await asyncio.wait(tasks)
         finally:  # also when cancelled (asyncio.run exiting): the thread must not outlive us
+            self._drop_submitted()
             if self._stage is not None:
                 await self._stage.aclose()
             while not self._ready.empty():
@@ -371,7 +380,7 @@ class Consumer:
         return value
 
     async def _feed(self, stage: DeviceStage) -> None:
-        """Runs in: a task. reorder buffer -> decode -> device thread -> _ready, in order."""
+        """Runs in: a task. reorder buffer -> decode -> device thread (submitted, in order)."""
         slots = self._slots
         assert slots is not None
         ep = self._epoch
@@ -380,26 +389,60 @@ class Consumer:
             try:
                 item = await ep.reorder.get()
             except StopAsyncIteration:
-                self._ready.put_nowait(_END)
+                self._submitted.put_nowait(_END)
                 return
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # fatal (worker crash): the consumer raises it
-                self._ready.put_nowait(Failure(exc))
+                self._submitted.put_nowait(Failure(exc))
                 return
             ep.permits.release()
             idx = ep.reorder.last_idx
             wid, state = _origin(item)
+            pending: Any
             try:
-                value = await stage.process(self._decode_acked(item, idx))
-            except asyncio.CancelledError:
-                raise
+                pending = stage.submit(self._decode_acked(item, idx))
             except Exception as exc:  # this batch's error; the epoch goes on, as in torch
-                if ep.acks is not None:
-                    ep.acks.received(idx, ok=False)
-                # A StopAsyncIteration from a custom pin_memory() must not end the epoch.
-                value = Failure(_user_error(exc, "the batch's pin_memory()"))
-            self._ready.put_nowait((idx, wid, state, value))
+                pending = self._batch_failure(idx, exc)
+            self._submitted.put_nowait((idx, wid, state, pending))
+
+    async def _finish(self, stage: DeviceStage) -> None:
+        """Runs in: a task. Each submitted batch, once pinned and moved -> _ready, in order."""
+        try:
+            while True:
+                entry = await self._submitted.get()
+                if entry is _END or isinstance(entry, Failure):
+                    self._ready.put_nowait(entry)
+                    return
+                idx, wid, state, pending = entry
+                value: Any = pending
+                if not isinstance(pending, Failure):
+                    try:
+                        value = await stage.finish(pending)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:  # this batch's error; the epoch goes on
+                        value = self._batch_failure(idx, exc)
+                self._ready.put_nowait((idx, wid, state, value))
+        finally:
+            # Ended or cancelled: batches still queued for the thread are never processed.
+            self._drop_submitted()
+
+    def _batch_failure(self, idx: int, exc: Exception) -> Failure:
+        """Batch ``idx`` failed on its way to the device: delivered as its error, never acked."""
+        if self._epoch.acks is not None:
+            self._epoch.acks.received(idx, ok=False)
+        # A StopAsyncIteration from a custom pin_memory() must not end the epoch.
+        return Failure(_user_error(exc, "the batch's pin_memory()"))
+
+    def _drop_submitted(self) -> None:
+        while not self._submitted.empty():
+            entry = self._submitted.get_nowait()
+            if isinstance(entry, tuple) and isinstance(entry[3], asyncio.Future):
+                pending = entry[3]
+                if pending.done() and not pending.cancelled():
+                    pending.exception()  # retrieved: nobody will raise it, nor log it unread
+                pending.cancel()
 
     def _decode_acked(self, item: Any, idx: int) -> Any:
         """:meth:`_decode` of batch ``idx``; a batch that raises instead is never acknowledged."""

@@ -206,27 +206,48 @@ class DeviceStage:
     async def process(self, batch: _T) -> _T:
         """Pin ``batch`` and move it to the device on the device thread; return the result.
 
-        When this returns, the consumer stream is already ordered after the copy. If the awaiting
-        task is cancelled, a batch already on the thread is finished and dropped, a batch still
-        queued is never processed. Errors from a custom ``pin_memory()`` keep their type.
-        A stage that is not ``active`` returns ``batch`` itself. The caller keeps a reference to
-        each CUDA batch it delivers until the consumer asks for the next one (the guard described
-        in the module docstring).
+        The same as ``await stage.finish(stage.submit(batch))``. A stage that is not ``active``
+        returns ``batch`` itself.
 
         Raises:
             RuntimeError: ``start()`` was not called, or the stage was closed.
         """
         if not self.active:
             return batch
+        return await self.finish(self.submit(batch))
+
+    def submit(self, batch: _T) -> asyncio.Future[tuple[_T, torch.cuda.Event | None]]:
+        """Queue ``batch`` on the device thread now and return its pending result for
+        :meth:`finish`. Batches are pinned and copied in the order they were submitted.
+
+        Submitting the next batch before the previous one is finished keeps the thread busy:
+        it starts pinning batch k+1 the moment batch k is done, with no round trip through the
+        event loop between them. Cancelling the returned future drops a batch still queued.
+
+        Raises:
+            RuntimeError: the stage is not active, ``start()`` was not called, or it was closed.
+        """
+        if not self.active:
+            raise RuntimeError("DeviceStage.submit() on a stage with nothing to do")
         if self._state is not _State.STARTED or self._pool is None:
             raise RuntimeError(
                 "DeviceStage.process() needs a started, open stage: call start() first"
                 if self._state is _State.CREATED
                 else "this DeviceStage was closed; no more batches can be processed"
             )
-        loop = asyncio.get_running_loop()
+        return asyncio.get_running_loop().run_in_executor(self._pool, self._run, batch)
+
+    async def finish(self, pending: asyncio.Future[tuple[_T, torch.cuda.Event | None]]) -> _T:
+        """Wait for a batch given to :meth:`submit` and return it, pinned and moved.
+
+        When this returns, the consumer stream is already ordered after the copy. If the awaiting
+        task is cancelled, a batch already on the thread is finished and dropped, a batch still
+        queued is never processed. Errors from a custom ``pin_memory()`` keep their type. The
+        caller keeps a reference to each CUDA batch it delivers until the consumer asks for the
+        next one (the guard described in the module docstring).
+        """
         try:
-            result, event = await loop.run_in_executor(self._pool, self._run, batch)
+            result, event = await pending
         except Exception as exc:
             exc.add_note("aioloader: raised in the device stage (pin_memory / copy to device)")
             raise

@@ -96,6 +96,45 @@ async def test_break_and_cancel_stop_the_device_thread(how: str) -> None:
     assert not _stage_threads()
 
 
+@pytest.mark.usefixtures("fake_accelerator")
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_the_next_batch_is_queued_on_the_device_thread_before_this_one_is_done(
+    num_workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch k+1 reaches the device thread while batch k is pinned there, so the thread goes
+    from one to the next with no round trip through the event loop in between."""
+    from aioloader import _device
+
+    total = 8
+    submitted = 0
+    cond = threading.Condition()
+    ahead: list[bool] = []  # per batch pinned: was the next one submitted meanwhile?
+    submit = _device.DeviceStage.submit
+
+    def counting_submit(self: _device.DeviceStage, batch: Any) -> Any:
+        nonlocal submitted
+        pending = submit(self, batch)
+        with cond:
+            submitted += 1
+            cond.notify_all()
+        return pending
+
+    def waiting_pin(batch: Any, device_type: str | None) -> Any:
+        k = len(ahead)
+        with cond:  # bounded: without the look-ahead this waits out its timeout
+            ahead.append(cond.wait_for(lambda: submitted >= min(k + 2, total), timeout=3))
+        return batch
+
+    monkeypatch.setattr(_device.DeviceStage, "submit", counting_submit)
+    monkeypatch.setattr(_device, "_pin_memory", waiting_pin)
+    async with AsyncDataLoader(
+        datasets.RangeDataset(total * 2), batch_size=2, num_workers=num_workers, pin_memory=True
+    ) as loader:
+        got = await collect(loader)
+    assert [b.flatten().tolist() for b in got] == [[2 * k, 2 * k + 1] for k in range(total)]
+    assert ahead == [True] * total
+
+
 def test_device_arguments_are_validated() -> None:
     with pytest.raises(ValueError, match="device_prefetch"):
         AsyncDataLoader(datasets.RangeDataset(2), device_prefetch=0)
