@@ -557,12 +557,26 @@ def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -
             if stacked is not None:
                 return stacked
         return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
-    saved = torch_worker._worker_info
-    torch_worker._worker_info = None  # this process runs no other thread that reads it
-    try:
-        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
-    finally:
-        torch_worker._worker_info = saved
+    return _stack_unshared(batch)
+
+
+_SPARSE_LAYOUTS = frozenset(
+    {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc}
+)
+
+
+def _stack_unshared(batch: list[torch.Tensor]) -> torch.Tensor:
+    """torch's ``collate_tensor_fn`` as it runs outside a worker: no shared-memory segment.
+
+    torch picks the segment by ``get_worker_info()``; clearing that for the call would be seen
+    by the worker's other threads (an async dataset's fetches on the ``aioloader-io`` thread
+    read it to shard), so the one branch it steers is taken here instead.
+    """
+    elem = batch[0]
+    if elem.is_nested or elem.layout in _SPARSE_LAYOUTS:
+        # torch raises its own error for these before it looks at get_worker_info().
+        return torch_collate.collate_tensor_fn(batch)  # type: ignore[no-any-return]
+    return torch.stack(batch, 0)
 
 
 _COLLATE_FN_MAP = {**torch_collate.default_collate_fn_map, torch.Tensor: _collate_tensors}
@@ -703,12 +717,7 @@ def _streams(indices: Any) -> bool:
 def _collate_tensors_no_shm(
     batch: list[torch.Tensor], *, collate_fn_map: Any = None
 ) -> torch.Tensor:
-    saved = torch_worker._worker_info
-    torch_worker._worker_info = None  # a Ray actor process runs no other thread that reads it
-    try:
-        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
-    finally:
-        torch_worker._worker_info = saved
+    return _stack_unshared(batch)
 
 
 _COLLATE_NO_SHM_MAP = {

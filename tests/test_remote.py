@@ -44,6 +44,34 @@ async def test_workers_deliver_torch_order_and_overlap_requests_across_batches()
     assert ds.calls == {}  # this process's copy was never called
 
 
+@pytest.mark.parametrize("collate", ["_collate_tensors", "_collate_tensors_no_shm"])
+def test_collating_a_small_batch_leaves_get_worker_info_to_the_other_threads(
+    collate: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker collates a small batch without shared memory, and its io thread may be asking
+    get_worker_info() at that moment (to shard): the answer must stay this worker's."""
+    from torch.utils.data._utils import worker as torch_worker
+
+    from aioloader import _worker
+
+    info = object()
+    seen: list[object] = []
+    stack = torch.stack
+
+    def watching_stack(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(torch_worker._worker_info)  # what another thread would read now
+        return stack(*args, **kwargs)
+
+    monkeypatch.setattr(torch_worker, "_worker_info", info)
+    monkeypatch.setattr(torch, "stack", watching_stack)
+    out = getattr(_worker, collate)([torch.tensor([1]), torch.tensor([2])])
+    assert out.tolist() == [[1], [2]]
+    assert seen == [info]
+    with pytest.raises(RuntimeError, match="nested tensors"):  # torch's own error, as before
+        nested = torch.nested.nested_tensor([torch.zeros(2)], layout=torch.jagged)
+        getattr(_worker, collate)([nested])
+
+
 async def test_thread_executor_fetches_on_one_io_loop() -> None:
     ds = rd.Latent(40, delay=0.005)
     async with AsyncDataLoader(
