@@ -181,10 +181,11 @@ class FetchPolicy:
         max_backoff: The longest wait between two attempts.
         retry_on: Whether an exception is transient. Default: :func:`is_transient`.
         hedge: ``None`` (off), or a quantile in ``[0.5, 1)``: a call still running after that
-            quantile of the recent calls' durations gets a second, identical call; the first
-            answer wins and the other call is cancelled. ``__getitem__`` calls only. Hedged
-            calls run beside the ``source_concurrency`` others, at most
-            ``2 * (1 - hedge) * source_concurrency`` of them (at least one) at a time.
+            quantile of the recent calls' durations gets a second, identical call, and a third
+            if none has answered after as long again; the first answer wins and the others are
+            cancelled. ``__getitem__`` calls only. Hedged calls run beside the
+            ``source_concurrency`` others, at most ``2 * (1 - hedge) * source_concurrency`` of
+            them (at least one) at a time.
         hedge_min_calls: Calls that must have completed before hedging starts.
     """
 
@@ -250,6 +251,10 @@ def check_policy(policy: object) -> FetchPolicy:
             f"FetchPolicy.hedge_min_calls should be a positive int, got {policy.hedge_min_calls!r}"
         )
     return policy
+
+
+#: Hedged calls one sample may get at most (see :meth:`SampleFetcher._hedged`).
+_HEDGES = 2
 
 
 class _Latency:
@@ -483,17 +488,25 @@ class SampleFetcher:
             return await self._attempt(self._getitem, idx)
         tasks = {asyncio.ensure_future(_contained(self._attempt, self._getitem, idx))}
         first = next(iter(tasks))
+        hedges = 0
         try:
-            done, _ = await asyncio.wait(tasks, timeout=after)
-            if not done:
-                self.hedged += 1
-                tasks.add(asyncio.ensure_future(_contained(self._second_call, idx)))
             while True:
-                done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                # A second hedge: the first one meets a slow answer as often as any call does
+                # (1 % of the time for a 1 % tail), and then the sample waits for the slower of
+                # two slow calls; with a third, that takes three slow answers in a row.
+                done, pending = await asyncio.wait(
+                    tasks,
+                    timeout=after if hedges < _HEDGES else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 for task in done:
                     if task.exception() is None:
                         return task.result()
-                if not pending:  # every call failed: the first call's error is the cause
+                if not done:  # slower than the quantile: one more call
+                    hedges += 1
+                    self.hedged += 1
+                    pending.add(asyncio.ensure_future(_contained(self._second_call, idx)))
+                elif not pending:  # every call failed: the first call's error is the cause
                     raise first.exception()  # type: ignore[misc]
                 tasks = pending
         finally:

@@ -718,3 +718,14 @@ class CollectGarbageDataset(Dataset[list[int]]):
         before = private_dirty_kb()
         gc.collect()
         return [before, private_dirty_kb()]
+
+
+class GcFrozenDataset(RangeDataset):
+    """Each sample: whether this dataset object is out of the garbage collector's reach (frozen:
+    not among the objects it tracks), and whether the collector still runs there."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import gc
+
+        tracked = any(o is self for o in gc.get_objects())
+        return torch.tensor([int(not tracked), int(gc.isenabled())])

@@ -88,16 +88,20 @@ class Status(Exception):
 
 
 class SlowFirstCall(Latent):
-    """The first call of every index in ``slow`` takes ``slow_s``; a second call is fast."""
+    """The first ``slow_calls`` calls of every index in ``slow`` take ``slow_s``; later calls
+    are fast."""
 
-    def __init__(self, n: int, slow: set[int], slow_s: float, delay: float = 0.002) -> None:
+    def __init__(
+        self, n: int, slow: set[int], slow_s: float, delay: float = 0.002, slow_calls: int = 1
+    ) -> None:
         super().__init__(n, delay)
         self.slow = slow
         self.slow_s = slow_s
+        self.slow_calls = slow_calls
         self.cancelled: list[int] = []
 
     async def answer(self, i: int) -> dict[str, Any]:
-        if i in self.slow and self.calls[i] == 1:
+        if i in self.slow and self.calls[i] <= self.slow_calls:
             try:
                 await asyncio.sleep(self.slow_s)
             except asyncio.CancelledError:

@@ -207,6 +207,31 @@ async def test_hedging_answers_a_straggler_with_a_second_call_and_cancels_the_fi
     assert sorted(ds.cancelled) == sorted(slow)
 
 
+async def test_a_hedge_that_is_slow_too_gets_one_more_and_no_further() -> None:
+    # Two slow calls in a row (a 1 % tail meets its hedge 1 % of the time): a third call answers.
+    # (source_concurrency=20: 4 slots for hedged calls, two for each slow sample.)
+    slow = {60, 75}
+    ds = rd.SlowFirstCall(80, slow=slow, slow_s=30.0, slow_calls=2)
+    policy = FetchPolicy(hedge=0.9, hedge_min_calls=20)
+    async with AsyncDataLoader(
+        ds, batch_size=10, num_workers=0, fetch_policy=policy, source_concurrency=20
+    ) as loader:
+        got = await collect(loader, 25)  # with one hedge only, a batch takes 30 s
+        await asyncio.sleep(0.05)  # the losers' cancellations settle
+    assert rd.values(got) == list(range(80))
+    attempts = {int(x): int(a) for b in got for x, a in zip(b["x"], b["attempt"], strict=True)}
+    assert {i for i, a in attempts.items() if a == 3} == slow
+    assert sorted(ds.cancelled) == sorted(2 * list(slow))
+    # Three slow calls: the sample waits for the first of them; no fourth call is made.
+    ds = rd.SlowFirstCall(80, slow={70}, slow_s=0.5, slow_calls=3)
+    async with AsyncDataLoader(
+        ds, batch_size=10, num_workers=0, fetch_policy=policy, source_concurrency=20
+    ) as loader:
+        got = await collect(loader, 25)
+    assert rd.values(got) == list(range(80))
+    assert ds.calls[70] == 3
+
+
 async def test_hedging_is_off_by_default() -> None:
     ds = rd.SlowFirstCall(30, slow={25}, slow_s=0.3)
     async with AsyncDataLoader(ds, batch_size=10, num_workers=0) as loader:

@@ -506,3 +506,18 @@ def test_a_process_forked_while_another_thread_seeds_can_seed() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "0"  # no child stuck
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+async def test_a_worker_leaves_what_it_started_with_out_of_garbage_collection(
+    context: str,
+) -> None:
+    """A full collection in a worker walks only what the worker made since it started: the
+    dataset (inherited, or unpickled by the worker's set-up) is frozen with the modules, so the
+    worker's io loop is not stalled by walks over them, and inherited pages are not written."""
+    async with AsyncDataLoader(
+        datasets.GcFrozenDataset(4), batch_size=2, num_workers=2, multiprocessing_context=context
+    ) as loader:
+        got = await collect(loader)
+    assert [row.tolist() for b in got for row in b] == [[1, 1]] * 4  # frozen; collector on
+    assert gc.get_freeze_count() == 0  # the consumer's own process is the user's: untouched
