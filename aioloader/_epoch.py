@@ -9,8 +9,9 @@ a terminal phase), so the stages it drives cannot race on flags::
                   +-----------+------------+--> FINISHED | FAILED | ENDED   (terminal)
 
 * the scheduler (``_scheduler``) submits index batches while the phase is RUNNING;
-* the recovery (``_recovery``) owns RECOVERING: one task replaces crashed workers and absorbs any
-  further crash while it runs;
+* the recovery (``_recovery``) owns RECOVERING (entered and left through
+  :meth:`Epoch.enter_recovery` and :meth:`Epoch.leave_recovery`): one task replaces crashed
+  workers and absorbs any further crash while it runs;
 * the consumer (``_consumer``) turns the reorder buffer's items into batches (through the device
   stage when there is one) and moves the epoch to FINISHED when it received the end.
 
@@ -164,6 +165,14 @@ class Epoch:
             self.resumed.set()
         else:
             self.resumed.clear()
+
+    def enter_recovery(self) -> None:
+        """RUNNING -> RECOVERING: submissions pause until :meth:`leave_recovery`."""
+        self._to(Phase.RECOVERING)
+
+    def leave_recovery(self) -> None:
+        """RECOVERING -> RUNNING: the replacement workers hold every batch in flight."""
+        self._to(Phase.RUNNING)
 
     @property
     def terminal(self) -> bool:
