@@ -17,7 +17,6 @@ import contextlib
 import copy
 import dataclasses
 import enum
-import functools
 import inspect
 import logging
 import multiprocessing
@@ -43,21 +42,20 @@ from torch.utils.data import (
 from typing_extensions import TypeVar
 
 from . import _resume as resume
-from . import _transport, _worker
+from . import _worker
 from ._attrs import TorchAttributes, check_prefetch_factor
-from ._backend import Backend, Launcher, ThreadBackend
+from ._backend import Backend, Launcher
 from ._bridge import SyncDataLoader
 from ._device import DeviceStage
 from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
-from ._executor import WorkerPool
 from ._phase import Phase
+from ._pools import PersistentPool, start_pool, thread_backend
 from ._priority import PriorityMonitor
-from ._records import Counters, LoaderStats, Plan, StreamInput
+from ._records import Counters, LoaderStats, Plan, PoolKeeper, StreamInput
 from ._remote import FetchPolicy, InWorkers, check_no_client, check_policy
 from ._resume import Position, Progress, Start
 from ._stream import check_latency, source_kind
-from ._threadworkers import ThreadWorkers
 
 __all__ = ("AsyncDataLoader", "AsyncMapDataset", "LoaderStats")
 
@@ -302,21 +300,14 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         # release its workers) while the loader lives on.
         self._epochs: weakref.WeakSet[Epoch] = weakref.WeakSet()
         self._closing: asyncio.Task[None] | None = None
-        self._persistent_pool: Backend | None = None
+        # persistent_workers=True: the pool kept between epochs, and what it was started from.
+        self._pool_owner = PersistentPool()
         # worker_nice=None: the workers' niceness follows the loop's lateness (_priority).
         self._priority: PriorityMonitor | None = None
         # A forked child (a worker, of this or a later loader) inherits this object; if garbage
         # collection frees it there, its pool is the parent's and must be left alone.
         self._pid = os.getpid()
-        # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
-        self._persistent_pool_busy = False
-        # load_state_dict() was called: the kept workers' replicas and RNGs are not the state's.
-        self._persistent_pool_stale = False
         self._persistent_seed: int | None = None
-        # A lock belongs to one event loop: a loader used by consecutive asyncio.run() calls
-        # gets a fresh one on each loop.
-        self._pool_lock: asyncio.Lock | None = None
-        self._pool_lock_loop: asyncio.AbstractEventLoop | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # epochs' cleanups; aclose() waits
         self._counters = Counters()  # stats(), added to by the epochs
         # What the epochs ask of this loader; they hold it (and so the loader) weakly.
@@ -407,7 +398,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                     ),
                 )
         pending, self._pending = self._pending, None
-        progress = self._begin_progress(pending)
+        progress = self._begin_progress(plan, pending)
         start = progress.start
         shared_seed: int | None = None
         if self._is_datapipe:
@@ -606,6 +597,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 in_flight = max(in_flight, -(-self.source_concurrency // per_batch) + 1)
             else:  # a batch sampler of unknown batch size: as torch's default prefetch
                 in_flight = max(in_flight, 2)
+        rank, world_size = self._rank_given or _distributed_rank()
         return Plan(
             num_workers=workers,
             max_in_flight=in_flight,
@@ -639,6 +631,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             mp_context=self._mp_context(),
             executor=self.executor,
             worker_nice=self.worker_nice,
+            rank=rank,
+            world_size=world_size,
+            lane_depth=max(2, in_flight // max(1, workers)) if self._remote is not None else 2,
             generator=self.generator,
             dataset_repr=str(self.dataset) if promised is not None else "",
             len_promised=promised,
@@ -720,7 +715,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         # Persistent workers kept from an earlier epoch hold their replicas and RNGs as that
         # epoch left them, not as the state says: the next epoch starts new ones, as a new
         # loader would (torchdata's load_state_dict drops its iterator and workers too).
-        self._persistent_pool_stale = self._persistent_pool is not None
+        self._pool_owner.invalidate()
 
     def _refuse_stream_resume(self, what: str) -> None:
         if self._stream is not None:
@@ -781,9 +776,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             sampler_epoch=self._read_sampler_epoch(),
         )
 
-    def _carried_states(self) -> dict[int, Any]:
-        """Iterable datasets: the worker states the next epoch starts from, where the dataset
-        lives on between epochs (torch's behaviour, which a resume must reproduce).
+    def _carried_states(self, plan: Plan | None = None) -> dict[int, Any]:
+        """Iterable datasets: the worker states the next epoch (of ``plan``, else of the
+        settings as they are) starts from, where the dataset lives on between epochs (torch's
+        behaviour, which a resume must reproduce).
 
         With ``num_workers=0`` that is the dataset itself, as it is now; with persistent workers,
         each replica as its iterator left it at the last epoch's end (when that epoch finished
@@ -794,18 +790,25 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         if self.num_workers == 0:
             state = _worker.capture_end_state(self.dataset)
             return {0: copy.deepcopy(state)} if state is not None else {}
-        p, pool = self._progress, self._persistent_pool
-        if p is None or not p.finished or pool is None or pool.num_workers != self.num_workers:
+        p = self._progress
+        if p is None or not p.finished or self._pool_owner.pool is None:
+            return {}
+        if plan is None:
+            try:
+                plan = self._plan()
+            except (ValueError, TypeError):  # settings the next epoch refuses: no pool serves it
+                return {}
+        if not self._pool_owner.serves(plan, self._persistent_seed):
             return {}
         return dict(p.end_states)
 
-    def _begin_progress(self, pending: _PendingResume | None) -> Progress:
+    def _begin_progress(self, plan: Plan, pending: _PendingResume | None) -> Progress:
         if pending is None:
             progress = Progress(
                 self._epoch_count,
                 self._snapshot(),
                 # num_workers=0: taken in __aiter__, once the epoch's own draws are done.
-                worker_states=self._carried_states() if self.num_workers else {},
+                worker_states=self._carried_states(plan) if self.num_workers else {},
                 iterable=self._is_iterable,
             )
         else:
@@ -936,17 +939,16 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                     _logger.error("aioloader: an epoch's cleanup failed", exc_info=task.exception())
         if self._priority is not None:
             self._priority.pause()
-        pool, self._persistent_pool = self._persistent_pool, None
-        if pool is not None:
-            try:
-                await pool.shutdown(graceful=not self._persistent_pool_busy)
-            except asyncio.CancelledError as exc:
-                cancelled = exc
+        try:
+            await self._pool_owner.close()
+        except asyncio.CancelledError as exc:
+            cancelled = exc
         if cancelled is not None:
             raise cancelled
 
     def __del__(self) -> None:
-        pool = getattr(self, "_persistent_pool", None)
+        owner: PersistentPool | None = getattr(self, "_pool_owner", None)
+        pool = owner.pool if owner is not None else None
         if pool is not None and getattr(self, "_pid", None) == os.getpid():
             warnings.warn(
                 f"{self!r} was not closed; use `async with` or `await loader.aclose()`",
@@ -966,49 +968,6 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
     def _mp_context(self) -> BaseContext:
         ctx = self.multiprocessing_context
         return ctx if ctx is not None else multiprocessing.get_context()
-
-    def _make_spec(self, plan: Plan, base_seed: int, *, ship: bool = True) -> _worker.WorkerSpec:
-        """Runs in: a helper thread (pickling a large dataset takes a while).
-
-        ``ship=False``: the spec carries neither the objects nor a payload file (an executor
-        that moves them itself, such as Ray's object store).
-        """
-        rank, world_size = self._rank_given or _distributed_rank()
-        objects = (plan.worker_dataset, plan.collate_fn, plan.worker_init_fn)
-        payload = None
-        if not ship:
-            objects_or_none = None
-        elif plan.mp_context.get_start_method() != "fork":
-            try:
-                payload = _transport.dump_payload(objects)
-                objects_or_none = None
-            except RuntimeError as exc:
-                if "through inheritance" not in str(exc):
-                    raise
-                # multiprocessing's Value, Lock, Queue... (a counter shared by the workers) can
-                # be pickled only while a process is being started: each worker then gets them
-                # in its start arguments, pickled once per worker, as torch's workers do.
-                objects_or_none = objects
-        else:
-            objects_or_none = objects
-        return _worker.WorkerSpec(
-            num_workers=plan.num_workers,
-            base_seed=base_seed,
-            is_iterable=plan.is_iterable,
-            auto_collation=plan.batch_sampler_given,
-            drop_last=plan.drop_last,
-            main_pid=os.getpid(),
-            # Adaptive by default: workers start at 0 and the monitor renices them (_priority).
-            nice=plan.worker_nice if plan.worker_nice is not None else 0,
-            payload_file=payload,
-            objects=objects_or_none,
-            fixed_worker_id=None,
-            rank=rank,
-            world_size=world_size,
-            lane_depth=max(2, plan.max_in_flight // max(1, plan.num_workers))
-            if self._remote is not None
-            else 2,
-        )
 
     def _worker_dataset(self) -> Any:
         """What the workers hold: the dataset, or for an async source its per-sample transform
@@ -1048,69 +1007,17 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             return self._stream.policy
         return None
 
-    async def _new_pool(self, plan: Plan, base_seed: int) -> Backend:
-        """Start a set of ``plan.num_workers`` workers of the plan's executor."""
-        executor = plan.executor
-        if executor == "process":
-            return await WorkerPool.start(
-                functools.partial(self._make_spec, plan, base_seed),
-                plan.mp_context,
-                plan.pinned_workers,
-            )
-        if executor == "thread":
-            rank, world_size = self._rank_given or _distributed_rank()
-            return ThreadWorkers(
-                dataset=plan.worker_dataset,
-                rank=rank,
-                world_size=world_size,
-                num_workers=plan.num_workers,
-                base_seed=base_seed,
-                is_iterable=plan.is_iterable,
-                auto_collation=plan.batch_sampler_given,
-                collate_fn=plan.collate_fn,
-                drop_last=plan.drop_last,
-                worker_init_fn=plan.worker_init_fn,
-                pinned=plan.pinned_workers,
-            )
-        assert not isinstance(executor, str)
-        spec = self._make_spec(plan, base_seed, ship=False)
-        objects = (plan.worker_dataset, plan.collate_fn, plan.worker_init_fn)
-        return await executor.start(spec, objects, plan.pinned_workers)
-
     async def _acquire_backend(self, plan: Plan, base_seed: int) -> tuple[Backend, bool]:
-        """(backend, owned by the epoch). Persistent workers: the loader's pool, started once."""
+        """(backend, owned by the epoch). Persistent workers: the pool owner's."""
         if plan.num_workers == 0:
-            backend = ThreadBackend(
-                dataset=plan.worker_dataset,
-                is_iterable=plan.is_iterable,
-                auto_collation=plan.batch_sampler_given,
-                collate_fn=plan.collate_fn,
-                drop_last=plan.drop_last,
-            )
-            return backend, True
+            return thread_backend(plan), True
         if not plan.persistent:
-            pool = await self._new_pool(plan, base_seed)
+            pool = await start_pool(plan, base_seed)
             self._watch_priority(pool)
             return pool, True
-        loop = asyncio.get_running_loop()
-        if self._pool_lock is None or self._pool_lock_loop is not loop:
-            self._pool_lock, self._pool_lock_loop = asyncio.Lock(), loop
-        async with self._pool_lock:
-            old = self._persistent_pool
-            stale, self._persistent_pool_stale = self._persistent_pool_stale, False
-            if old is not None and (stale or old.num_workers != plan.num_workers):
-                # num_workers was changed between epochs (torch allows it): the kept workers are
-                # the wrong number, so this epoch starts the right one. Or a state was loaded.
-                _logger.debug("num_workers %d -> %d: new persistent workers", old.num_workers,
-                              plan.num_workers)  # fmt: skip
-                busy = self._persistent_pool_busy
-                self._persistent_pool = None
-                await old.shutdown(graceful=not busy)
-            if self._persistent_pool is None:
-                self._persistent_pool = await self._new_pool(plan, base_seed)
-                self._persistent_pool_busy = False
-            self._watch_priority(self._persistent_pool)
-            return self._persistent_pool, False
+        pool = await self._pool_owner.acquire(plan, base_seed)
+        self._watch_priority(pool)
+        return pool, False
 
     def _watch_priority(self, backend: Backend) -> None:
         """worker_nice=None: renice ``backend``'s worker processes as the loop's lateness says,
@@ -1125,25 +1032,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
 
     def _backend_replaced(self, old: Backend, new: Backend) -> None:
         """Crash recovery replaced ``old``: a persistent pool is now ``new``."""
-        if self._persistent_pool is old:
-            self._persistent_pool = new
+        self._pool_owner.replaced(old, new)
         self._watch_priority(new)
-
-    def _persistent_pool_kept(self, *, busy: bool) -> None:
-        """An epoch ended with the persistent pool healthy: it serves the next epoch.
-
-        ``busy``: an abandoned epoch's batches still run on it (aclose() then kills rather than
-        waits for them).
-        """
-        self._persistent_pool_busy = self._persistent_pool_busy or busy
-
-    def _persistent_pool_retired(self, pool: Backend) -> None:
-        """An epoch ended with the persistent pool broken (a crash that was not recovered, an end
-        during recovery, a timeout): the next epoch starts fresh workers instead of inheriting
-        it. The epoch's cleanup shuts it down."""
-        if pool is self._persistent_pool:
-            self._persistent_pool = None
-            self._persistent_pool_busy = False
 
     def _one_shot_sampler(self) -> bool:
         return any(
@@ -1191,14 +1081,8 @@ class _Host:
     async def acquire_backend(self, plan: Plan, base_seed: int) -> tuple[Backend, bool]:
         return await self._loader()._acquire_backend(plan, base_seed)
 
-    def persistent_pool(self) -> Backend | None:
-        return self._loader()._persistent_pool
-
-    def pool_kept(self, *, busy: bool) -> None:
-        self._loader()._persistent_pool_kept(busy=busy)
-
-    def pool_retired(self, pool: Backend) -> None:
-        self._loader()._persistent_pool_retired(pool)
+    def pool_keeper(self) -> PoolKeeper:
+        return self._loader()._pool_owner
 
     def backend_replaced(self, old: Backend, new: Backend) -> None:
         self._loader()._backend_replaced(old, new)
