@@ -28,11 +28,10 @@ import warnings
 import weakref
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from multiprocessing.context import BaseContext
-from typing import Any, Generic, Literal, NamedTuple, NoReturn, Protocol, Self
+from typing import Any, Generic, Literal, NoReturn, Protocol, Self
 
 import torch
 from torch.utils.data import (
-    BatchSampler,
     DataLoader,
     Dataset,
     IterableDataset,
@@ -41,11 +40,11 @@ from torch.utils.data import (
 )
 from typing_extensions import TypeVar
 
-from . import _resume as resume
 from . import _worker
 from ._attrs import TorchAttributes, check_prefetch_factor
 from ._backend import Backend, Launcher
 from ._bridge import SyncDataLoader
+from ._checkpoint import Order, Pending, batching, epoch_seeds, make_state, resumed_progress
 from ._device import DeviceStage
 from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
@@ -294,7 +293,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         # epoch's progress, a loaded state waiting for the next epoch, and set_epoch's value.
         self._epoch_count = 0
         self._progress: Progress | None = None
-        self._pending: _PendingResume | None = None
+        self._pending: Pending | None = None
         self._sampler_epoch: int | None = None
         # Running epochs; weak, so an epoch whose iterator was dropped can be collected (and so
         # release its workers) while the loader lives on.
@@ -400,53 +399,16 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         pending, self._pending = self._pending, None
         progress = self._begin_progress(plan, pending)
         start = progress.start
-        shared_seed: int | None = None
-        if self._is_datapipe:
-            # torch draws an IterDataPipe's shared seed every epoch (persistent workers too),
-            # before the workers' base seed.
-            if pending is not None and start.shared_seed is not None:
-                if plan.generator is not None:  # advance the restored generator as it went
-                    torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
-                shared_seed = start.shared_seed
-            else:
-                shared_seed = int(
-                    torch.empty((), dtype=torch.int64).random_(generator=plan.generator).item()
-                )
-                start.shared_seed = shared_seed
-        if pending is not None and start.base_seed is not None:
-            # Resuming: the interrupted epoch's seed. If it was drawn from `generator`, draw again
-            # (and discard) so the generator, restored to the epoch's start, advances as it did.
-            if start.seed_drawn and plan.generator is not None:
-                torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
-            base_seed = start.base_seed
-            if persistent:
-                self._persistent_seed = base_seed
-        elif persistent and self._persistent_seed is not None:
-            base_seed = self._persistent_seed  # torch draws it once for persistent workers
-            start.seed_drawn = False
-        else:
-            # As torch: the workers' base seed is drawn from `generator` before the sampler draws.
-            base_seed = int(
-                torch.empty((), dtype=torch.int64).random_(generator=plan.generator).item()
-            )
-            start.seed_drawn = True
-            if persistent:
-                self._persistent_seed = base_seed
-        start.base_seed = base_seed
-        if (
-            shared_seed is not None
-            and plan.num_workers > 0
-            and start.seed_drawn
-            and (pending is None or plan.generator is not None)
-        ):
-            # torch's multi-worker iterator draws the shared seed once more as it starts (for the
-            # main process's copy of the DataPipe only): drawn and dropped here, so the generator
-            # (and the next epochs' seeds) advance exactly as under torch.
-            torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
-        if start.global_rng is None:
-            # What the sampler will draw from if it uses the global RNG (a custom sampler records
-            # it again, just before its iter()).
-            start.record_global_rng(torch.get_rng_state())
+        base_seed, shared_seed = epoch_seeds(
+            start,
+            plan.generator,
+            resuming=pending is not None,
+            datapipe=self._is_datapipe,
+            kept_seed=self._persistent_seed if persistent else None,
+            workers=plan.num_workers > 0,
+        )
+        if persistent:
+            self._persistent_seed = base_seed
         fetcher = None
         if plan.num_workers == 0 and plan.is_iterable and plan.stream is None:
             # As torch (and torchdata) with num_workers=0: the dataset's iterator is made now, in
@@ -709,7 +671,13 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "is running (an `async for`, or an aiter() not yet exhausted); call it before the "
                 "next `async for`, or break out of the running one first"
             )
-        self._pending = _PendingResume.parse(state, self)
+        self._pending = Pending.parse(
+            state,
+            iterable=self._is_iterable,
+            num_workers=self.num_workers,
+            sampling={**self._batching(), "seeding": self.seeding},
+            persistent=self._persistent,
+        )
         if self._pending.persistent_seed is not None:
             self._persistent_seed = self._pending.persistent_seed
         # Persistent workers kept from an earlier epoch hold their replicas and RNGs as that
@@ -729,52 +697,11 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         """Call ``set_epoch(epoch)`` on the sampler and batch sampler that have it (e.g.
         ``DistributedSampler``, to reshuffle each epoch). Part of :meth:`state_dict`."""
         _check_int("epoch", epoch, 0, None, "a non-negative int")
-        for obj in self._epoch_aware():
-            obj.set_epoch(epoch)
+        self._order().set_epoch(epoch)
         self._sampler_epoch = epoch
 
-    def _epoch_aware(self) -> list[Any]:
-        found: list[Any] = []
-        for obj in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
-            if callable(getattr(obj, "set_epoch", None)) and all(obj is not f for f in found):
-                found.append(obj)
-        return found
-
-    def _read_sampler_epoch(self) -> int | None:
-        for obj in self._epoch_aware():
-            value = getattr(obj, "epoch", None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        return self._sampler_epoch
-
-    def _stateful_sampler(self) -> Any:
-        for obj in (self.batch_sampler, self.sampler):
-            if callable(getattr(obj, "state_dict", None)) and callable(
-                getattr(obj, "load_state_dict", None)
-            ):
-                return obj
-        return None
-
-    def _generators(self) -> dict[str, torch.Generator]:
-        """The generators an epoch draws from, by role: the loader's, the sampler's own."""
-        gens: dict[str, torch.Generator] = {}
-        if isinstance(self.generator, torch.Generator):
-            gens["loader"] = self.generator
-        sampler = self._index_sampler
-        inner = getattr(sampler, "sampler", None) if isinstance(sampler, BatchSampler) else sampler
-        g = getattr(inner, "generator", None)
-        if isinstance(g, torch.Generator) and g is not self.generator:
-            gens["sampler"] = g
-        return gens
-
-    def _snapshot(self) -> Start:
-        """The start of an epoch that has not drawn anything yet: the current states."""
-        sampler = self._stateful_sampler()
-        return Start(
-            generators={role: g.get_state() for role, g in self._generators().items()},
-            sampler_state=copy.deepcopy(sampler.state_dict()) if sampler is not None else None,
-            sampler_epoch=self._read_sampler_epoch(),
-        )
+    def _order(self) -> Order:
+        return Order(self.sampler, self.batch_sampler, self._index_sampler, self.generator)
 
     def _carried_states(self, plan: Plan | None = None) -> dict[int, Any]:
         """Iterable datasets: the worker states the next epoch (of ``plan``, else of the
@@ -802,44 +729,26 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             return {}
         return dict(p.end_states)
 
-    def _begin_progress(self, plan: Plan, pending: _PendingResume | None) -> Progress:
+    def _begin_progress(self, plan: Plan, pending: Pending | None) -> Progress:
         if pending is None:
             progress = Progress(
                 self._epoch_count,
-                self._snapshot(),
+                self._order().snapshot(self._sampler_epoch),
                 # num_workers=0: taken in __aiter__, once the epoch's own draws are done.
                 worker_states=self._carried_states(plan) if self.num_workers else {},
                 iterable=self._is_iterable,
             )
         else:
-            start = pending.start
-            for role, g in self._generators().items():
-                state = start.generator_state(role)
-                if state is not None:
-                    g.set_state(state)
-            sampler = self._stateful_sampler()
-            if sampler is not None and start.sampler_state is not None:
-                sampler.load_state_dict(copy.deepcopy(start.sampler_state))
-            if start.sampler_epoch is not None:
-                for obj in self._epoch_aware():
-                    obj.set_epoch(start.sampler_epoch)
-                self._sampler_epoch = start.sampler_epoch
-            progress = Progress(
-                pending.epoch,
-                start,
-                Position(pending.position.low, pending.position.above, counting=self._is_iterable),
-                worker_states=pending.worker_states,
-                worker_batches=pending.worker_batches,
-                last_worker=pending.last_worker,
-                iterable=self._is_iterable,
-            )
-            progress.resume_from = pending.position
+            progress = resumed_progress(pending, self._order(), iterable=self._is_iterable)
+            if pending.start.sampler_epoch is not None:
+                self._sampler_epoch = pending.start.sampler_epoch
         self._epoch_count = progress.epoch + 1
         self._progress = progress
         return progress
 
     def _boundary_state(self, epoch: int) -> dict[str, Any]:
-        return self._make_state(epoch, self._snapshot(), Position(), self._carried_states(), None)
+        start = self._order().snapshot(self._sampler_epoch)
+        return self._make_state(epoch, start, Position(), self._carried_states(), None)
 
     def _make_state(
         self,
@@ -850,32 +759,22 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         last_worker: int | None,
         worker_batches: dict[int, int] | None = None,
     ) -> dict[str, Any]:
-        return {
-            "format": resume.FORMAT,
-            "version": resume.VERSION,
-            "epoch": epoch,
-            "delivered_below": position.low,
-            "delivered_also": sorted(position.above),
-            "batches_delivered": position.count,
-            "dataset_kind": "iterable" if self._is_iterable else "map",
-            "num_workers": self.num_workers,
-            "seeding": self.seeding,
-            **self._batching(),
-            "persistent_seed": self._persistent_seed if self._persistent else None,
-            "start": start.to_dict(),
-            "worker_states": {str(k): copy.deepcopy(v) for k, v in worker_states.items()},
-            "last_worker": last_worker,
-            "worker_batches": {str(k): n for k, n in (worker_batches or {}).items()},
-        }
+        return make_state(
+            epoch=epoch,
+            start=start,
+            position=position,
+            worker_states=worker_states,
+            last_worker=last_worker,
+            worker_batches=worker_batches,
+            iterable=self._is_iterable,
+            num_workers=self.num_workers,
+            seeding=self.seeding,
+            batching=self._batching(),
+            persistent_seed=self._persistent_seed if self._persistent else None,
+        )
 
     def _batching(self) -> dict[str, Any]:
-        """What maps a delivered batch count to samples: a resumed epoch must agree on it."""
-        try:
-            sampler_len: int | None = len(self.sampler)  # type: ignore[arg-type]
-        except TypeError:  # a sampler without __len__ (an iterable's, a custom one)
-            sampler_len = None
-        return {"batch_size": self.batch_size, "drop_last": self.drop_last,
-                "sampler_len": sampler_len}  # fmt: skip
+        return batching(self.batch_size, self.drop_last, self.sampler)
 
     @property
     def _persistent(self) -> bool:
@@ -1376,96 +1275,3 @@ def _distributed_rank() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-class _PendingResume(NamedTuple):
-    """A loaded state, checked, waiting for the next epoch."""
-
-    epoch: int
-    start: Start
-    position: Position
-    worker_states: dict[int, Any]
-    worker_batches: dict[int, int]
-    last_worker: int | None
-    persistent_seed: int | None
-    raw: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self.raw)
-
-    @classmethod
-    def parse(cls, state: object, loader: AsyncDataLoader[Any]) -> _PendingResume:
-        def bad(what: str) -> ValueError:
-            return ValueError(
-                f"load_state_dict() got {what}; pass a dict returned by "
-                "AsyncDataLoader.state_dict()"
-            )
-
-        if not isinstance(state, dict):
-            raise bad(f"a {type(state).__name__}")
-        if state.get("format") != resume.FORMAT:
-            raise bad(f"a dict without format={resume.FORMAT!r}")
-        version = state.get("version")
-        if not isinstance(version, int) or version > resume.VERSION:
-            raise ValueError(
-                f"load_state_dict() got a state of version {version!r}; this aioloader reads "
-                f"versions up to {resume.VERSION}: upgrade aioloader to load it"
-            )
-        try:
-            kind = state["dataset_kind"]
-            epoch = int(state["epoch"])
-            low = int(state["delivered_below"])
-            above = {int(i) for i in state["delivered_also"]}
-            start = Start.from_dict(state["start"])
-            worker_states = {int(k): v for k, v in (state.get("worker_states") or {}).items()}
-            worker_batches = {
-                int(k): int(n) for k, n in (state.get("worker_batches") or {}).items()
-            }
-            last = state.get("last_worker")
-            last_worker = None if last is None else int(last)
-            persistent_seed = state.get("persistent_seed")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise bad(f"a malformed state ({type(exc).__name__}: {exc})") from None
-        mine = "iterable" if loader._is_iterable else "map"
-        if kind != mine:
-            raise ValueError(
-                f"load_state_dict() got the state of a loader over a {kind}-style dataset, but "
-                f"this loader's dataset is {mine}-style; load it into a loader like the one that "
-                "saved it"
-            )
-        if loader._is_iterable:
-            saved = state.get("num_workers")
-            if saved != loader.num_workers and (worker_states or low or above):
-                raise ValueError(
-                    f"this IterableDataset state was saved with num_workers={saved} and cannot be "
-                    f"resumed with num_workers={loader.num_workers}: each worker's replica of the "
-                    "dataset is resumed from its own saved state, so use the same num_workers "
-                    "(map-style datasets resume with any num_workers)"
-                )
-            # An iterable's send_idx only orders batches: go on counting from what was received.
-            low, above = low + len(above), set()
-        if low or above:
-            # Mid-epoch: the received batches are skipped by count, so everything that decides
-            # which samples a batch holds must be as it was.
-            current = {**loader._batching(), "seeding": loader.seeding}
-            for field, now in current.items():
-                if field in state and state[field] != now:
-                    raise ValueError(
-                        f"this state was saved mid-epoch by a loader with {field}="
-                        f"{state[field]!r}, but this loader has {field}={now!r}: resuming would "
-                        "skip or repeat samples (or change their augmentations). Resume with "
-                        f"{field}={state[field]!r}, or from a state saved at an epoch's end "
-                        "(those start the next epoch afresh)"
-                    )
-        if persistent_seed is not None and not loader._persistent:
-            persistent_seed = None
-        return cls(
-            epoch,
-            start,
-            Position(low, above),
-            worker_states,
-            worker_batches,
-            last_worker,
-            persistent_seed,
-            copy.deepcopy(state),
-        )
