@@ -8,6 +8,7 @@ fd or shared-memory file behind.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import multiprocessing
 import os
@@ -21,7 +22,7 @@ from aioloader import AsyncDataLoader, FetchPolicy, _pools
 from aioloader._pools import PersistentPool, baked_in
 from aioloader._records import Plan
 from aioloader._resume import batch_seed
-from tests import datasets, pool_probes, stream_sources
+from tests import datasets, pool_probes, resume_data, stream_sources
 from tests import remote_data as rd
 from tests.conftest import collect
 
@@ -383,3 +384,35 @@ async def test_attributes_torch_fixes_are_refused_after_an_epoch_and_the_workers
             setattr(loader, name, value)
         second = await collect(loader)
     assert _pids(first) == _pids(second)
+
+
+def _picks(dataset: Any, **kwargs: Any) -> AsyncDataLoader[Any]:
+    return AsyncDataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=2,
+        persistent_workers=True,
+        generator=torch.Generator().manual_seed(4),
+        **kwargs,
+    )
+
+
+async def test_an_epoch_end_state_carries_worker_states_only_while_the_workers_are_kept() -> None:
+    """An IterableDataset's replicas carry into the next epoch only on the kept workers: once a
+    setting they hold changed, the next epoch's new workers start from the dataset as pickled
+    (drawing what the first epoch drew), and the state taken then says so."""
+    loader = _picks(resume_data.PicksPerWorker(4))
+    async with loader:
+        first = sorted(await collect(loader))
+        assert sorted(loader.state_dict()["worker_states"]) == ["0", "1"]
+        loader.worker_init_fn = pool_probes.mark_worker_init
+        state = copy.deepcopy(loader.state_dict())
+        second = sorted(await collect(loader))
+    assert state["worker_states"] == {}
+    assert second == first
+    resumed_loader = _picks(
+        resume_data.PicksPerWorker(4), worker_init_fn=pool_probes.mark_worker_init
+    )
+    async with resumed_loader:
+        resumed_loader.load_state_dict(state)
+        assert sorted(await collect(resumed_loader)) == second
