@@ -9,15 +9,16 @@ a terminal phase), so the stages it drives cannot race on flags::
                   +-----------+------------+--> FINISHED | FAILED | ENDED   (terminal)
 
 * the scheduler (``_scheduler``) submits index batches while the phase is RUNNING;
-* the recovery (``_recovery``) owns RECOVERING: one task replaces crashed workers and absorbs any
-  further crash while it runs;
+* the recovery (``_recovery``) owns RECOVERING (entered and left through
+  :meth:`Epoch.enter_recovery` and :meth:`Epoch.leave_recovery`): one task replaces crashed
+  workers and absorbs any further crash while it runs;
 * the consumer (``_consumer``) turns the reorder buffer's items into batches (through the device
   stage when there is one) and moves the epoch to FINISHED when it received the end.
 
 :meth:`Epoch.end` wakes every waiter with the epoch's reason, cancels what is queued, and decides
-once what happens to the workers: an epoch's own workers are shut down; a persistent pool is kept
-only if the epoch ended while it was healthy, and retired otherwise so no later epoch inherits a
-crash.
+once what happens to the workers: an epoch's own workers are shut down; a persistent pool (held by
+the loader's ``_pools.PersistentPool``) is kept only if the epoch ended while it was healthy, and
+retired otherwise so no later epoch inherits a crash.
 
 Invariant: ``submitted - delivered - skipped == permits held <= max_in_flight``. A permit returns
 when the *consumer receives* a batch (or an exhausted iterable worker's index is skipped), so a
@@ -165,6 +166,14 @@ class Epoch:
         else:
             self.resumed.clear()
 
+    def enter_recovery(self) -> None:
+        """RUNNING -> RECOVERING: submissions pause until :meth:`leave_recovery`."""
+        self._to(Phase.RECOVERING)
+
+    def leave_recovery(self) -> None:
+        """RECOVERING -> RUNNING: the replacement workers hold every batch in flight."""
+        self._to(Phase.RUNNING)
+
     @property
     def terminal(self) -> bool:
         return self.phase in TERMINAL
@@ -241,9 +250,8 @@ class Epoch:
             # The loop is going away: persistent workers cannot serve another epoch on it. A
             # loader already gone (collected together with its iterator) stopped its own pool.
             host = self._host_ref()
-            pool = host.persistent_pool() if host is not None else None
-            if host is not None and pool is not None:
-                host.pool_retired(pool)
+            pool = host.pool_keeper().detach() if host is not None else None
+            if pool is not None:
                 waits.append(asyncio.ensure_future(pool.shutdown(graceful=False)))
             for task in waits:
                 while not task.done():
@@ -259,8 +267,9 @@ class Epoch:
         """Decide, once and at once, whether a persistent pool outlives this epoch.
 
         It is kept only if the epoch finished, or was abandoned while RUNNING; after a failure
-        or an end during recovery it is detached from the loader now (so a new epoch cannot pick
-        it up while it is being torn down) and the cleanup shuts it down like the epoch's own.
+        or an end during recovery it is retired from the loader's keeper now (so a new epoch
+        cannot pick it up while it is being torn down) and the cleanup shuts it down like the
+        epoch's own. The keeper holds the pool; this method only judges its health.
         """
         if self.backend is None or self.owns_backend:
             return
@@ -276,10 +285,10 @@ class Epoch:
             # not inherit it. (A start failing later is reported to the next epoch by watch().)
             healthy = False
         if healthy:
-            host.pool_kept(busy=bool(self.in_flight))
-            self.backend = None  # the loader keeps it
+            host.pool_keeper().keep(busy=bool(self.in_flight))
+            self.backend = None  # the keeper holds it
         else:
-            host.pool_retired(self.backend)
+            host.pool_keeper().retire(self.backend)
             self.owns_backend = True
 
     def _worker_died(self) -> bool:

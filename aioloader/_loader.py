@@ -17,7 +17,6 @@ import contextlib
 import copy
 import dataclasses
 import enum
-import functools
 import inspect
 import logging
 import multiprocessing
@@ -29,11 +28,10 @@ import warnings
 import weakref
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from multiprocessing.context import BaseContext
-from typing import Any, Generic, Literal, NamedTuple, NoReturn, Protocol, Self
+from typing import Any, Generic, Literal, NoReturn, Protocol, Self
 
 import torch
 from torch.utils.data import (
-    BatchSampler,
     DataLoader,
     Dataset,
     IterableDataset,
@@ -42,22 +40,21 @@ from torch.utils.data import (
 )
 from typing_extensions import TypeVar
 
-from . import _resume as resume
-from . import _transport, _worker
+from . import _worker
 from ._attrs import TorchAttributes, check_prefetch_factor
-from ._backend import Backend, Launcher, ThreadBackend
+from ._backend import Backend, Launcher
 from ._bridge import SyncDataLoader
+from ._checkpoint import Order, Pending, batching, epoch_seeds, make_state, resumed_progress
 from ._device import DeviceStage
 from ._epoch import Epoch
 from ._errors import EpochEndedError, LoaderClosedError
-from ._executor import WorkerPool
 from ._phase import Phase
+from ._pools import PersistentPool, start_pool, thread_backend
 from ._priority import PriorityMonitor
-from ._records import Counters, LoaderStats, Plan, StreamInput
+from ._records import Counters, LoaderStats, Plan, PoolKeeper, StreamInput
 from ._remote import FetchPolicy, InWorkers, check_no_client, check_policy
 from ._resume import Position, Progress, Start
 from ._stream import check_latency, source_kind
-from ._threadworkers import ThreadWorkers
 
 __all__ = ("AsyncDataLoader", "AsyncMapDataset", "LoaderStats")
 
@@ -296,27 +293,20 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         # epoch's progress, a loaded state waiting for the next epoch, and set_epoch's value.
         self._epoch_count = 0
         self._progress: Progress | None = None
-        self._pending: _PendingResume | None = None
+        self._pending: Pending | None = None
         self._sampler_epoch: int | None = None
         # Running epochs; weak, so an epoch whose iterator was dropped can be collected (and so
         # release its workers) while the loader lives on.
         self._epochs: weakref.WeakSet[Epoch] = weakref.WeakSet()
         self._closing: asyncio.Task[None] | None = None
-        self._persistent_pool: Backend | None = None
+        # persistent_workers=True: the pool kept between epochs, and what it was started from.
+        self._pool_owner = PersistentPool()
         # worker_nice=None: the workers' niceness follows the loop's lateness (_priority).
         self._priority: PriorityMonitor | None = None
         # A forked child (a worker, of this or a later loader) inherits this object; if garbage
         # collection frees it there, its pool is the parent's and must be left alone.
         self._pid = os.getpid()
-        # An abandoned epoch left tasks running on the persistent pool: close it without waiting.
-        self._persistent_pool_busy = False
-        # load_state_dict() was called: the kept workers' replicas and RNGs are not the state's.
-        self._persistent_pool_stale = False
         self._persistent_seed: int | None = None
-        # A lock belongs to one event loop: a loader used by consecutive asyncio.run() calls
-        # gets a fresh one on each loop.
-        self._pool_lock: asyncio.Lock | None = None
-        self._pool_lock_loop: asyncio.AbstractEventLoop | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # epochs' cleanups; aclose() waits
         self._counters = Counters()  # stats(), added to by the epochs
         # What the epochs ask of this loader; they hold it (and so the loader) weakly.
@@ -407,55 +397,18 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                     ),
                 )
         pending, self._pending = self._pending, None
-        progress = self._begin_progress(pending)
+        progress = self._begin_progress(plan, pending)
         start = progress.start
-        shared_seed: int | None = None
-        if self._is_datapipe:
-            # torch draws an IterDataPipe's shared seed every epoch (persistent workers too),
-            # before the workers' base seed.
-            if pending is not None and start.shared_seed is not None:
-                if plan.generator is not None:  # advance the restored generator as it went
-                    torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
-                shared_seed = start.shared_seed
-            else:
-                shared_seed = int(
-                    torch.empty((), dtype=torch.int64).random_(generator=plan.generator).item()
-                )
-                start.shared_seed = shared_seed
-        if pending is not None and start.base_seed is not None:
-            # Resuming: the interrupted epoch's seed. If it was drawn from `generator`, draw again
-            # (and discard) so the generator, restored to the epoch's start, advances as it did.
-            if start.seed_drawn and plan.generator is not None:
-                torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
-            base_seed = start.base_seed
-            if persistent:
-                self._persistent_seed = base_seed
-        elif persistent and self._persistent_seed is not None:
-            base_seed = self._persistent_seed  # torch draws it once for persistent workers
-            start.seed_drawn = False
-        else:
-            # As torch: the workers' base seed is drawn from `generator` before the sampler draws.
-            base_seed = int(
-                torch.empty((), dtype=torch.int64).random_(generator=plan.generator).item()
-            )
-            start.seed_drawn = True
-            if persistent:
-                self._persistent_seed = base_seed
-        start.base_seed = base_seed
-        if (
-            shared_seed is not None
-            and plan.num_workers > 0
-            and start.seed_drawn
-            and (pending is None or plan.generator is not None)
-        ):
-            # torch's multi-worker iterator draws the shared seed once more as it starts (for the
-            # main process's copy of the DataPipe only): drawn and dropped here, so the generator
-            # (and the next epochs' seeds) advance exactly as under torch.
-            torch.empty((), dtype=torch.int64).random_(generator=plan.generator)
-        if start.global_rng is None:
-            # What the sampler will draw from if it uses the global RNG (a custom sampler records
-            # it again, just before its iter()).
-            start.record_global_rng(torch.get_rng_state())
+        base_seed, shared_seed = epoch_seeds(
+            start,
+            plan.generator,
+            resuming=pending is not None,
+            datapipe=self._is_datapipe,
+            kept_seed=self._persistent_seed if persistent else None,
+            workers=plan.num_workers > 0,
+        )
+        if persistent:
+            self._persistent_seed = base_seed
         fetcher = None
         if plan.num_workers == 0 and plan.is_iterable and plan.stream is None:
             # As torch (and torchdata) with num_workers=0: the dataset's iterator is made now, in
@@ -606,6 +559,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 in_flight = max(in_flight, -(-self.source_concurrency // per_batch) + 1)
             else:  # a batch sampler of unknown batch size: as torch's default prefetch
                 in_flight = max(in_flight, 2)
+        rank, world_size = self._rank_given or _distributed_rank()
         return Plan(
             num_workers=workers,
             max_in_flight=in_flight,
@@ -639,6 +593,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             mp_context=self._mp_context(),
             executor=self.executor,
             worker_nice=self.worker_nice,
+            rank=rank,
+            world_size=world_size,
+            lane_depth=max(2, in_flight // max(1, workers)) if self._remote is not None else 2,
             generator=self.generator,
             dataset_repr=str(self.dataset) if promised is not None else "",
             len_promised=promised,
@@ -714,13 +671,19 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "is running (an `async for`, or an aiter() not yet exhausted); call it before the "
                 "next `async for`, or break out of the running one first"
             )
-        self._pending = _PendingResume.parse(state, self)
+        self._pending = Pending.parse(
+            state,
+            iterable=self._is_iterable,
+            num_workers=self.num_workers,
+            sampling={**self._batching(), "seeding": self.seeding},
+            persistent=self._persistent,
+        )
         if self._pending.persistent_seed is not None:
             self._persistent_seed = self._pending.persistent_seed
         # Persistent workers kept from an earlier epoch hold their replicas and RNGs as that
         # epoch left them, not as the state says: the next epoch starts new ones, as a new
         # loader would (torchdata's load_state_dict drops its iterator and workers too).
-        self._persistent_pool_stale = self._persistent_pool is not None
+        self._pool_owner.invalidate()
 
     def _refuse_stream_resume(self, what: str) -> None:
         if self._stream is not None:
@@ -734,56 +697,16 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         """Call ``set_epoch(epoch)`` on the sampler and batch sampler that have it (e.g.
         ``DistributedSampler``, to reshuffle each epoch). Part of :meth:`state_dict`."""
         _check_int("epoch", epoch, 0, None, "a non-negative int")
-        for obj in self._epoch_aware():
-            obj.set_epoch(epoch)
+        self._order().set_epoch(epoch)
         self._sampler_epoch = epoch
 
-    def _epoch_aware(self) -> list[Any]:
-        found: list[Any] = []
-        for obj in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
-            if callable(getattr(obj, "set_epoch", None)) and all(obj is not f for f in found):
-                found.append(obj)
-        return found
+    def _order(self) -> Order:
+        return Order(self.sampler, self.batch_sampler, self._index_sampler, self.generator)
 
-    def _read_sampler_epoch(self) -> int | None:
-        for obj in self._epoch_aware():
-            value = getattr(obj, "epoch", None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        return self._sampler_epoch
-
-    def _stateful_sampler(self) -> Any:
-        for obj in (self.batch_sampler, self.sampler):
-            if callable(getattr(obj, "state_dict", None)) and callable(
-                getattr(obj, "load_state_dict", None)
-            ):
-                return obj
-        return None
-
-    def _generators(self) -> dict[str, torch.Generator]:
-        """The generators an epoch draws from, by role: the loader's, the sampler's own."""
-        gens: dict[str, torch.Generator] = {}
-        if isinstance(self.generator, torch.Generator):
-            gens["loader"] = self.generator
-        sampler = self._index_sampler
-        inner = getattr(sampler, "sampler", None) if isinstance(sampler, BatchSampler) else sampler
-        g = getattr(inner, "generator", None)
-        if isinstance(g, torch.Generator) and g is not self.generator:
-            gens["sampler"] = g
-        return gens
-
-    def _snapshot(self) -> Start:
-        """The start of an epoch that has not drawn anything yet: the current states."""
-        sampler = self._stateful_sampler()
-        return Start(
-            generators={role: g.get_state() for role, g in self._generators().items()},
-            sampler_state=copy.deepcopy(sampler.state_dict()) if sampler is not None else None,
-            sampler_epoch=self._read_sampler_epoch(),
-        )
-
-    def _carried_states(self) -> dict[int, Any]:
-        """Iterable datasets: the worker states the next epoch starts from, where the dataset
-        lives on between epochs (torch's behaviour, which a resume must reproduce).
+    def _carried_states(self, plan: Plan | None = None) -> dict[int, Any]:
+        """Iterable datasets: the worker states the next epoch (of ``plan``, else of the
+        settings as they are) starts from, where the dataset lives on between epochs (torch's
+        behaviour, which a resume must reproduce).
 
         With ``num_workers=0`` that is the dataset itself, as it is now; with persistent workers,
         each replica as its iterator left it at the last epoch's end (when that epoch finished
@@ -794,49 +717,38 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         if self.num_workers == 0:
             state = _worker.capture_end_state(self.dataset)
             return {0: copy.deepcopy(state)} if state is not None else {}
-        p, pool = self._progress, self._persistent_pool
-        if p is None or not p.finished or pool is None or pool.num_workers != self.num_workers:
+        p = self._progress
+        if p is None or not p.finished or self._pool_owner.pool is None:
+            return {}
+        if plan is None:
+            try:
+                plan = self._plan()
+            except (ValueError, TypeError):  # settings the next epoch refuses: no pool serves it
+                return {}
+        if not self._pool_owner.serves(plan, self._persistent_seed):
             return {}
         return dict(p.end_states)
 
-    def _begin_progress(self, pending: _PendingResume | None) -> Progress:
+    def _begin_progress(self, plan: Plan, pending: Pending | None) -> Progress:
         if pending is None:
             progress = Progress(
                 self._epoch_count,
-                self._snapshot(),
+                self._order().snapshot(self._sampler_epoch),
                 # num_workers=0: taken in __aiter__, once the epoch's own draws are done.
-                worker_states=self._carried_states() if self.num_workers else {},
+                worker_states=self._carried_states(plan) if self.num_workers else {},
                 iterable=self._is_iterable,
             )
         else:
-            start = pending.start
-            for role, g in self._generators().items():
-                state = start.generator_state(role)
-                if state is not None:
-                    g.set_state(state)
-            sampler = self._stateful_sampler()
-            if sampler is not None and start.sampler_state is not None:
-                sampler.load_state_dict(copy.deepcopy(start.sampler_state))
-            if start.sampler_epoch is not None:
-                for obj in self._epoch_aware():
-                    obj.set_epoch(start.sampler_epoch)
-                self._sampler_epoch = start.sampler_epoch
-            progress = Progress(
-                pending.epoch,
-                start,
-                Position(pending.position.low, pending.position.above, counting=self._is_iterable),
-                worker_states=pending.worker_states,
-                worker_batches=pending.worker_batches,
-                last_worker=pending.last_worker,
-                iterable=self._is_iterable,
-            )
-            progress.resume_from = pending.position
+            progress = resumed_progress(pending, self._order(), iterable=self._is_iterable)
+            if pending.start.sampler_epoch is not None:
+                self._sampler_epoch = pending.start.sampler_epoch
         self._epoch_count = progress.epoch + 1
         self._progress = progress
         return progress
 
     def _boundary_state(self, epoch: int) -> dict[str, Any]:
-        return self._make_state(epoch, self._snapshot(), Position(), self._carried_states(), None)
+        start = self._order().snapshot(self._sampler_epoch)
+        return self._make_state(epoch, start, Position(), self._carried_states(), None)
 
     def _make_state(
         self,
@@ -847,32 +759,22 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         last_worker: int | None,
         worker_batches: dict[int, int] | None = None,
     ) -> dict[str, Any]:
-        return {
-            "format": resume.FORMAT,
-            "version": resume.VERSION,
-            "epoch": epoch,
-            "delivered_below": position.low,
-            "delivered_also": sorted(position.above),
-            "batches_delivered": position.count,
-            "dataset_kind": "iterable" if self._is_iterable else "map",
-            "num_workers": self.num_workers,
-            "seeding": self.seeding,
-            **self._batching(),
-            "persistent_seed": self._persistent_seed if self._persistent else None,
-            "start": start.to_dict(),
-            "worker_states": {str(k): copy.deepcopy(v) for k, v in worker_states.items()},
-            "last_worker": last_worker,
-            "worker_batches": {str(k): n for k, n in (worker_batches or {}).items()},
-        }
+        return make_state(
+            epoch=epoch,
+            start=start,
+            position=position,
+            worker_states=worker_states,
+            last_worker=last_worker,
+            worker_batches=worker_batches,
+            iterable=self._is_iterable,
+            num_workers=self.num_workers,
+            seeding=self.seeding,
+            batching=self._batching(),
+            persistent_seed=self._persistent_seed if self._persistent else None,
+        )
 
     def _batching(self) -> dict[str, Any]:
-        """What maps a delivered batch count to samples: a resumed epoch must agree on it."""
-        try:
-            sampler_len: int | None = len(self.sampler)  # type: ignore[arg-type]
-        except TypeError:  # a sampler without __len__ (an iterable's, a custom one)
-            sampler_len = None
-        return {"batch_size": self.batch_size, "drop_last": self.drop_last,
-                "sampler_len": sampler_len}  # fmt: skip
+        return batching(self.batch_size, self.drop_last, self.sampler)
 
     @property
     def _persistent(self) -> bool:
@@ -936,17 +838,16 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                     _logger.error("aioloader: an epoch's cleanup failed", exc_info=task.exception())
         if self._priority is not None:
             self._priority.pause()
-        pool, self._persistent_pool = self._persistent_pool, None
-        if pool is not None:
-            try:
-                await pool.shutdown(graceful=not self._persistent_pool_busy)
-            except asyncio.CancelledError as exc:
-                cancelled = exc
+        try:
+            await self._pool_owner.close()
+        except asyncio.CancelledError as exc:
+            cancelled = exc
         if cancelled is not None:
             raise cancelled
 
     def __del__(self) -> None:
-        pool = getattr(self, "_persistent_pool", None)
+        owner: PersistentPool | None = getattr(self, "_pool_owner", None)
+        pool = owner.pool if owner is not None else None
         if pool is not None and getattr(self, "_pid", None) == os.getpid():
             warnings.warn(
                 f"{self!r} was not closed; use `async with` or `await loader.aclose()`",
@@ -966,49 +867,6 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
     def _mp_context(self) -> BaseContext:
         ctx = self.multiprocessing_context
         return ctx if ctx is not None else multiprocessing.get_context()
-
-    def _make_spec(self, plan: Plan, base_seed: int, *, ship: bool = True) -> _worker.WorkerSpec:
-        """Runs in: a helper thread (pickling a large dataset takes a while).
-
-        ``ship=False``: the spec carries neither the objects nor a payload file (an executor
-        that moves them itself, such as Ray's object store).
-        """
-        rank, world_size = self._rank_given or _distributed_rank()
-        objects = (plan.worker_dataset, plan.collate_fn, plan.worker_init_fn)
-        payload = None
-        if not ship:
-            objects_or_none = None
-        elif plan.mp_context.get_start_method() != "fork":
-            try:
-                payload = _transport.dump_payload(objects)
-                objects_or_none = None
-            except RuntimeError as exc:
-                if "through inheritance" not in str(exc):
-                    raise
-                # multiprocessing's Value, Lock, Queue... (a counter shared by the workers) can
-                # be pickled only while a process is being started: each worker then gets them
-                # in its start arguments, pickled once per worker, as torch's workers do.
-                objects_or_none = objects
-        else:
-            objects_or_none = objects
-        return _worker.WorkerSpec(
-            num_workers=plan.num_workers,
-            base_seed=base_seed,
-            is_iterable=plan.is_iterable,
-            auto_collation=plan.batch_sampler_given,
-            drop_last=plan.drop_last,
-            main_pid=os.getpid(),
-            # Adaptive by default: workers start at 0 and the monitor renices them (_priority).
-            nice=plan.worker_nice if plan.worker_nice is not None else 0,
-            payload_file=payload,
-            objects=objects_or_none,
-            fixed_worker_id=None,
-            rank=rank,
-            world_size=world_size,
-            lane_depth=max(2, plan.max_in_flight // max(1, plan.num_workers))
-            if self._remote is not None
-            else 2,
-        )
 
     def _worker_dataset(self) -> Any:
         """What the workers hold: the dataset, or for an async source its per-sample transform
@@ -1048,69 +906,17 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             return self._stream.policy
         return None
 
-    async def _new_pool(self, plan: Plan, base_seed: int) -> Backend:
-        """Start a set of ``plan.num_workers`` workers of the plan's executor."""
-        executor = plan.executor
-        if executor == "process":
-            return await WorkerPool.start(
-                functools.partial(self._make_spec, plan, base_seed),
-                plan.mp_context,
-                plan.pinned_workers,
-            )
-        if executor == "thread":
-            rank, world_size = self._rank_given or _distributed_rank()
-            return ThreadWorkers(
-                dataset=plan.worker_dataset,
-                rank=rank,
-                world_size=world_size,
-                num_workers=plan.num_workers,
-                base_seed=base_seed,
-                is_iterable=plan.is_iterable,
-                auto_collation=plan.batch_sampler_given,
-                collate_fn=plan.collate_fn,
-                drop_last=plan.drop_last,
-                worker_init_fn=plan.worker_init_fn,
-                pinned=plan.pinned_workers,
-            )
-        assert not isinstance(executor, str)
-        spec = self._make_spec(plan, base_seed, ship=False)
-        objects = (plan.worker_dataset, plan.collate_fn, plan.worker_init_fn)
-        return await executor.start(spec, objects, plan.pinned_workers)
-
     async def _acquire_backend(self, plan: Plan, base_seed: int) -> tuple[Backend, bool]:
-        """(backend, owned by the epoch). Persistent workers: the loader's pool, started once."""
+        """(backend, owned by the epoch). Persistent workers: the pool owner's."""
         if plan.num_workers == 0:
-            backend = ThreadBackend(
-                dataset=plan.worker_dataset,
-                is_iterable=plan.is_iterable,
-                auto_collation=plan.batch_sampler_given,
-                collate_fn=plan.collate_fn,
-                drop_last=plan.drop_last,
-            )
-            return backend, True
+            return thread_backend(plan), True
         if not plan.persistent:
-            pool = await self._new_pool(plan, base_seed)
+            pool = await start_pool(plan, base_seed)
             self._watch_priority(pool)
             return pool, True
-        loop = asyncio.get_running_loop()
-        if self._pool_lock is None or self._pool_lock_loop is not loop:
-            self._pool_lock, self._pool_lock_loop = asyncio.Lock(), loop
-        async with self._pool_lock:
-            old = self._persistent_pool
-            stale, self._persistent_pool_stale = self._persistent_pool_stale, False
-            if old is not None and (stale or old.num_workers != plan.num_workers):
-                # num_workers was changed between epochs (torch allows it): the kept workers are
-                # the wrong number, so this epoch starts the right one. Or a state was loaded.
-                _logger.debug("num_workers %d -> %d: new persistent workers", old.num_workers,
-                              plan.num_workers)  # fmt: skip
-                busy = self._persistent_pool_busy
-                self._persistent_pool = None
-                await old.shutdown(graceful=not busy)
-            if self._persistent_pool is None:
-                self._persistent_pool = await self._new_pool(plan, base_seed)
-                self._persistent_pool_busy = False
-            self._watch_priority(self._persistent_pool)
-            return self._persistent_pool, False
+        pool = await self._pool_owner.acquire(plan, base_seed)
+        self._watch_priority(pool)
+        return pool, False
 
     def _watch_priority(self, backend: Backend) -> None:
         """worker_nice=None: renice ``backend``'s worker processes as the loop's lateness says,
@@ -1125,25 +931,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
 
     def _backend_replaced(self, old: Backend, new: Backend) -> None:
         """Crash recovery replaced ``old``: a persistent pool is now ``new``."""
-        if self._persistent_pool is old:
-            self._persistent_pool = new
+        self._pool_owner.replaced(old, new)
         self._watch_priority(new)
-
-    def _persistent_pool_kept(self, *, busy: bool) -> None:
-        """An epoch ended with the persistent pool healthy: it serves the next epoch.
-
-        ``busy``: an abandoned epoch's batches still run on it (aclose() then kills rather than
-        waits for them).
-        """
-        self._persistent_pool_busy = self._persistent_pool_busy or busy
-
-    def _persistent_pool_retired(self, pool: Backend) -> None:
-        """An epoch ended with the persistent pool broken (a crash that was not recovered, an end
-        during recovery, a timeout): the next epoch starts fresh workers instead of inheriting
-        it. The epoch's cleanup shuts it down."""
-        if pool is self._persistent_pool:
-            self._persistent_pool = None
-            self._persistent_pool_busy = False
 
     def _one_shot_sampler(self) -> bool:
         return any(
@@ -1191,14 +980,8 @@ class _Host:
     async def acquire_backend(self, plan: Plan, base_seed: int) -> tuple[Backend, bool]:
         return await self._loader()._acquire_backend(plan, base_seed)
 
-    def persistent_pool(self) -> Backend | None:
-        return self._loader()._persistent_pool
-
-    def pool_kept(self, *, busy: bool) -> None:
-        self._loader()._persistent_pool_kept(busy=busy)
-
-    def pool_retired(self, pool: Backend) -> None:
-        self._loader()._persistent_pool_retired(pool)
+    def pool_keeper(self) -> PoolKeeper:
+        return self._loader()._pool_owner
 
     def backend_replaced(self, old: Backend, new: Backend) -> None:
         self._loader()._backend_replaced(old, new)
@@ -1492,96 +1275,3 @@ def _distributed_rank() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-class _PendingResume(NamedTuple):
-    """A loaded state, checked, waiting for the next epoch."""
-
-    epoch: int
-    start: Start
-    position: Position
-    worker_states: dict[int, Any]
-    worker_batches: dict[int, int]
-    last_worker: int | None
-    persistent_seed: int | None
-    raw: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self.raw)
-
-    @classmethod
-    def parse(cls, state: object, loader: AsyncDataLoader[Any]) -> _PendingResume:
-        def bad(what: str) -> ValueError:
-            return ValueError(
-                f"load_state_dict() got {what}; pass a dict returned by "
-                "AsyncDataLoader.state_dict()"
-            )
-
-        if not isinstance(state, dict):
-            raise bad(f"a {type(state).__name__}")
-        if state.get("format") != resume.FORMAT:
-            raise bad(f"a dict without format={resume.FORMAT!r}")
-        version = state.get("version")
-        if not isinstance(version, int) or version > resume.VERSION:
-            raise ValueError(
-                f"load_state_dict() got a state of version {version!r}; this aioloader reads "
-                f"versions up to {resume.VERSION}: upgrade aioloader to load it"
-            )
-        try:
-            kind = state["dataset_kind"]
-            epoch = int(state["epoch"])
-            low = int(state["delivered_below"])
-            above = {int(i) for i in state["delivered_also"]}
-            start = Start.from_dict(state["start"])
-            worker_states = {int(k): v for k, v in (state.get("worker_states") or {}).items()}
-            worker_batches = {
-                int(k): int(n) for k, n in (state.get("worker_batches") or {}).items()
-            }
-            last = state.get("last_worker")
-            last_worker = None if last is None else int(last)
-            persistent_seed = state.get("persistent_seed")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise bad(f"a malformed state ({type(exc).__name__}: {exc})") from None
-        mine = "iterable" if loader._is_iterable else "map"
-        if kind != mine:
-            raise ValueError(
-                f"load_state_dict() got the state of a loader over a {kind}-style dataset, but "
-                f"this loader's dataset is {mine}-style; load it into a loader like the one that "
-                "saved it"
-            )
-        if loader._is_iterable:
-            saved = state.get("num_workers")
-            if saved != loader.num_workers and (worker_states or low or above):
-                raise ValueError(
-                    f"this IterableDataset state was saved with num_workers={saved} and cannot be "
-                    f"resumed with num_workers={loader.num_workers}: each worker's replica of the "
-                    "dataset is resumed from its own saved state, so use the same num_workers "
-                    "(map-style datasets resume with any num_workers)"
-                )
-            # An iterable's send_idx only orders batches: go on counting from what was received.
-            low, above = low + len(above), set()
-        if low or above:
-            # Mid-epoch: the received batches are skipped by count, so everything that decides
-            # which samples a batch holds must be as it was.
-            current = {**loader._batching(), "seeding": loader.seeding}
-            for field, now in current.items():
-                if field in state and state[field] != now:
-                    raise ValueError(
-                        f"this state was saved mid-epoch by a loader with {field}="
-                        f"{state[field]!r}, but this loader has {field}={now!r}: resuming would "
-                        "skip or repeat samples (or change their augmentations). Resume with "
-                        f"{field}={state[field]!r}, or from a state saved at an epoch's end "
-                        "(those start the next epoch afresh)"
-                    )
-        if persistent_seed is not None and not loader._persistent:
-            persistent_seed = None
-        return cls(
-            epoch,
-            start,
-            Position(low, above),
-            worker_states,
-            worker_batches,
-            last_worker,
-            persistent_seed,
-            copy.deepcopy(state),
-        )

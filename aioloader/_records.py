@@ -32,6 +32,7 @@ __all__ = (
     "Host",
     "LoaderStats",
     "Plan",
+    "PoolKeeper",
     "StreamInput",
 )
 
@@ -132,6 +133,11 @@ class Plan:
     executor: str | Launcher
     #: Niceness added to each worker process.
     worker_nice: int | None
+    #: This process's place in data-parallel training, as the workers' ``get_worker_info()``.
+    rank: int
+    world_size: int
+    #: Tasks written ahead to each pinned worker (``WorkerSpec.lane_depth``).
+    lane_depth: int
     #: What the epoch's base seed (and an IterDataPipe's shared seed) are drawn from.
     generator: torch.Generator | None
     #: The dataset's ``repr`` and the length torch's ``len()`` promised for an IterableDataset
@@ -182,28 +188,37 @@ class LoaderStats(NamedTuple):
     time_to_first_batch_s: float | None
 
 
+class PoolKeeper(Protocol):
+    """What an epoch may do with its loader's persistent pool (``_pools.PersistentPool``): the
+    epoch judges whether the pool came through healthy, the keeper holds the pool."""
+
+    def keep(self, *, busy: bool) -> None:
+        """The epoch ended with the pool healthy: it serves the next epoch."""
+        ...
+
+    def retire(self, pool: Backend) -> None:
+        """The epoch ended with ``pool`` broken: the next epoch starts new workers."""
+        ...
+
+    def detach(self) -> Backend | None:
+        """Take the kept pool away for the caller to kill (its event loop is going away)."""
+        ...
+
+
 class Host(Protocol):
     """What an epoch asks of the loader that started it: workers, and word of its end.
 
-    The loader keeps a persistent pool between epochs; everything else an epoch needs is in its
-    :class:`Plan`.
+    The loader's :class:`PoolKeeper` keeps a persistent pool between epochs; everything else an
+    epoch needs is in its :class:`Plan`.
     """
 
     async def acquire_backend(self, plan: Plan, base_seed: int) -> tuple[Backend, bool]:
         """(workers for the epoch, whether the epoch owns them): a persistent pool is the
-        loader's."""
+        keeper's."""
         ...
 
-    def persistent_pool(self) -> Backend | None:
-        """The pool kept for the next epoch, if any."""
-        ...
-
-    def pool_kept(self, *, busy: bool) -> None:
-        """The epoch ended with the persistent pool healthy: it serves the next epoch."""
-        ...
-
-    def pool_retired(self, pool: Backend) -> None:
-        """The epoch ended with ``pool`` broken: the next epoch starts new workers."""
+    def pool_keeper(self) -> PoolKeeper:
+        """The keeper of the loader's persistent pool."""
         ...
 
     def backend_replaced(self, old: Backend, new: Backend) -> None:

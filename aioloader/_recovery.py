@@ -54,7 +54,9 @@ class RecoverySide(Protocol):
     @property
     def terminal(self) -> bool: ...
 
-    def _to(self, phase: Phase) -> None: ...
+    def enter_recovery(self) -> None: ...
+
+    def leave_recovery(self) -> None: ...
 
     def unwatch(self) -> None: ...
 
@@ -94,7 +96,7 @@ class Recovery:
         if ep.phase is Phase.RECOVERING:
             self._again = True  # the running recovery goes round once more
             return
-        ep._to(Phase.RECOVERING)
+        ep.enter_recovery()
         loop = asyncio.get_running_loop()
         self.task = start_task(loop, self._run(), name=f"aioloader-recovery:{ep.epoch_no}")
 
@@ -136,7 +138,7 @@ class Recovery:
                     self.resubmitting = False
                 if not self._again:
                     break
-            ep._to(Phase.RUNNING)
+            ep.leave_recovery()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

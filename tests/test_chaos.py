@@ -199,8 +199,8 @@ async def test_worker_death_after_an_abandoned_epoch_is_recovered(tmp_path: Path
         while not marker.exists():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         await it.aclose()  # cancels the batches queued behind the worker stuck on index 1
-        assert loader._persistent_pool is not None
-        (executor,) = loader._persistent_pool._executors
+        assert loader._pool_owner.pool is not None
+        (executor,) = loader._pool_owner.pool._executors
         manager = executor._executor_manager_thread  # type: ignore[attr-defined]
         os.kill(pid, signal.SIGKILL)  # e.g. the OOM killer
         # On CPython < 3.12 the manager thread died of InvalidStateError on the cancelled

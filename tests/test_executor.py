@@ -105,7 +105,7 @@ def make_spec(
     ctx: Any,
     worker_init_fn: Callable[[int], None] | None = None,
 ) -> _worker.WorkerSpec:
-    """A WorkerSpec as the loader builds one (see AsyncDataLoader._make_spec)."""
+    """A WorkerSpec as the loader builds one (see _pools.make_spec)."""
     objects = (dataset, default_collate, worker_init_fn)
     fork = ctx.get_start_method() == "fork"
     return _worker.WorkerSpec(
@@ -439,7 +439,7 @@ async def test_every_fork_ends_before_the_sampler_runs(in_order: bool) -> None:
         async with asyncio.timeout(60):
             async for batch in loader:
                 pids |= set(batch[:, 1].tolist())
-        pool = loader._persistent_pool
+        pool = loader._pool_owner.pool
         assert isinstance(pool, WorkerPool)
         workers = pids_of(pool)
     assert len(workers) == 3
@@ -566,7 +566,7 @@ async def test_second_wave_failing_after_its_epoch_ended_fails_the_next_one(
         async with asyncio.timeout(90):
             async for _ in loader:
                 break  # abandoned while running: the pool is kept, its second wave pending
-            first_pool = loader._persistent_pool
+            first_pool = loader._pool_owner.pool
             gate.set()
             with pytest.raises(OSError, match="temporarily unavailable"):
                 async for _ in loader:
@@ -574,7 +574,7 @@ async def test_second_wave_failing_after_its_epoch_ended_fails_the_next_one(
             monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", spawn)
             seen = [i for b in [b async for b in loader] for i in b[:, 0].tolist()]
             assert seen == list(range(12))
-            assert loader._persistent_pool is not first_pool
+            assert loader._pool_owner.pool is not first_pool
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
