@@ -96,8 +96,10 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         worker_nice: Niceness added to each worker process (0-19), fixed. The default (None)
             adapts it: workers run at torch's priority (nice 0) while the event loop's lateness
             stays within its bound or other processes compete for the cores, and at nice 5 while
-            the workers themselves make the loop late (see docs/service.md). Worker processes
-            only.
+            the workers themselves make the loop late (see docs/service.md). ``"idle"``: the
+            workers run under Linux's ``SCHED_IDLE``, only on a core nothing else wants: the
+            loop never waits for one of them, and any other busy process, the consumer's own
+            threads included, can starve them. Worker processes only.
         max_worker_restarts: Worker pools the loader may replace per epoch after a worker process
             dies; the batches in flight are resubmitted, so no sample is lost or repeated.
             0 fails at the first crash, as torch does. An index batch that kills its worker twice
@@ -180,7 +182,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
         max_worker_restarts: int = 3,
-        worker_nice: int | None = None,
+        worker_nice: int | Literal["idle"] | None = None,
         seeding: Literal["worker", "batch"] = "worker",
         rank: int | None = None,
         world_size: int | None = None,
@@ -232,14 +234,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         _check_int("max_worker_restarts", max_worker_restarts, 0, None, "a non-negative int")
         _check_executor(executor, num_workers, multiprocessing_context, worker_nice)
         self.executor = executor
-        if worker_nice is not None:
-            _check_int(
-                "worker_nice",
-                worker_nice,
-                0,
-                19,
-                "an int from 0 (the main process's priority) to 19, or None (adaptive)",
-            )
+        _check_worker_nice(worker_nice)
         _check_int(
             "device_prefetch",
             device_prefetch,
@@ -496,8 +491,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         seeding = self.seeding
         if seeding not in ("worker", "batch"):
             raise ValueError(f"seeding should be 'worker' or 'batch', got {seeding!r}")
-        if self.worker_nice is not None:  # None: adaptive (_priority)
-            _check_int("worker_nice", self.worker_nice, 0, 19, "an int from 0 to 19")
+        _check_worker_nice(self.worker_nice)
         _check_int("device_prefetch", self.device_prefetch, 1, None, "a positive int")
         _check_int("max_worker_restarts", self.max_worker_restarts, 0, None, "a non-negative int")
         _check_executor(self.executor, workers, self.multiprocessing_context, self.worker_nice)
@@ -1080,6 +1074,26 @@ async def _next(iterator: _EpochIterator[Any], step: Coroutine[Any, Any, Any]) -
 
 
 _EXECUTORS = ("process", "thread")
+
+
+def _check_worker_nice(value: object) -> None:
+    if value is None:  # adaptive (_priority)
+        return
+    if value == "idle":
+        if not hasattr(os, "SCHED_IDLE"):
+            raise ValueError(
+                "worker_nice='idle' needs the SCHED_IDLE scheduling policy, which this platform "
+                "lacks (Linux has it); pass an int from 0 to 19 instead"
+            )
+        return
+    _check_int(
+        "worker_nice",
+        value,
+        0,
+        19,
+        "an int from 0 (the main process's priority) to 19, 'idle' (SCHED_IDLE), or None "
+        "(adaptive)",
+    )
 
 
 def _check_executor(

@@ -132,7 +132,7 @@ class Plan:
     mp_context: BaseContext
     executor: str | Launcher
     #: Niceness added to each worker process.
-    worker_nice: int | None
+    worker_nice: int | str | None
     #: This process's place in data-parallel training, as the workers' ``get_worker_info()``.
     rank: int
     world_size: int

@@ -75,8 +75,9 @@ class WorkerSpec:
     auto_collation: bool
     drop_last: bool
     main_pid: int
-    #: Added to each worker's niceness (lower CPU priority than the event loop's process).
-    nice: int
+    #: Added to each worker's niceness (lower CPU priority than the event loop's process), or
+    #: ``"idle"``: the worker runs under ``SCHED_IDLE``.
+    nice: int | str
     #: spawn/forkserver: (payload file, shared tensors); fork: None (see ``objects``).
     payload_file: tuple[_transport.PayloadFile, list[torch.Tensor]] | None
     #: fork only: (dataset, collate_fn, worker_init_fn), inherited through fork without pickling.
@@ -790,9 +791,13 @@ def init(
     """
     _freeze_inherited()
     signal_handling._set_worker_signal_handlers()  # type: ignore[attr-defined]
-    if spec.nice:
+    if spec.nice == "idle":
+        # Only on a core nothing else wants: a busy worker never delays the loop's thread by a
+        # scheduler tick (a niceness only weighs the shares). Threads started later inherit it.
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    elif spec.nice:
         # Loading is background work: when a core is contended, the event loop should win it.
-        os.nice(spec.nice)
+        os.nice(int(spec.nice))
     torch.set_num_threads(1)
     # A bare thread: threading.Thread.start() waits until the new thread runs, 2-4 ms of a
     # forked worker's start while the other workers take the cores.

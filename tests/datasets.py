@@ -729,3 +729,12 @@ class GcFrozenDataset(RangeDataset):
 
         tracked = any(o is self for o in gc.get_objects())
         return torch.tensor([int(not tracked), int(gc.isenabled())])
+
+
+class SchedDataset(RangeDataset):
+    """Each sample: the scheduling policy and niceness of the thread that loads it."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import os
+
+        return torch.tensor([os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)])

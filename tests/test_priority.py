@@ -198,6 +198,24 @@ async def test_a_fixed_worker_nice_has_no_monitor() -> None:
         assert loader._priority is None
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+async def test_idle_workers_run_under_sched_idle_with_no_monitor() -> None:
+    async with AsyncDataLoader(
+        datasets.SchedDataset(4), batch_size=2, num_workers=2, worker_nice="idle"
+    ) as loader:
+        got = await collect(loader)
+        assert loader._priority is None  # fixed: nothing adapts it
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [row.tolist() for b in got for row in b] == [[os.SCHED_IDLE, base]] * 4
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the loop's own process is untouched
+
+
+@pytest.mark.parametrize("bad", ["low", True, 20, -1])
+def test_worker_nice_names_what_it_takes(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"worker_nice should be an int from 0 .* 'idle'"):
+        AsyncDataLoader(datasets.RangeDataset(4), num_workers=1, worker_nice=bad)  # type: ignore[arg-type]
+
+
 async def test_the_monitor_stops_when_the_epoch_is_abandoned() -> None:
     async with AsyncDataLoader(
         datasets.RangeDataset(400), num_workers=1, persistent_workers=True

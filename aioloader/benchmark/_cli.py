@@ -88,6 +88,11 @@ BENCHES: dict[str, Callable[[Config], list[Row]]] = {
 # --------------------------------------------------------------------------------------------
 
 
+def _worker_nice(text: str) -> int | str:
+    """``--worker-nice``: an int, or ``idle``."""
+    return text if text == "idle" else int(text)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m aioloader.benchmark", description=__doc__)
     p.add_argument(
@@ -119,10 +124,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=50, help="timed batches per round, --dataset")
     p.add_argument(
         "--worker-nice",
-        type=int,
+        type=_worker_nice,
         default=None,
         metavar="N",
-        help="aioloader's worker_nice for the run (default: the loader's own default)",
+        help="aioloader's worker_nice for the run, 0-19 or idle (default: the loader's own)",
     )
     p.add_argument(
         "--background-load",
