@@ -19,7 +19,7 @@ import torch
 
 from aioloader import AsyncDataLoader, LoaderTimeoutError, PoisonBatchError, WorkerCrashedError
 from tests import datasets
-from tests.conftest import collect
+from tests.conftest import collect, worker_processes
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -513,6 +513,74 @@ async def test_a_segfaulting_worker_is_reported_in_torchs_words(restarts: int) -
         r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault", str(info.value)
     ), str(info.value)
     assert info.value.exitcode == -signal.SIGSEGV
+
+
+TORCH_SEGFAULT = r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault"
+
+
+def _segfault_loader() -> AsyncDataLoader[Any]:
+    # torch's test_segfault (every sample faults, 2 workers), with persistent spawned workers:
+    # every restart is a worker start-up that imports torch, seconds on a busy machine.
+    return AsyncDataLoader(
+        datasets.SegfaultEveryDataset(10),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+    )
+
+
+async def _no_workers_within(limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while worker_processes():
+        assert time.monotonic() < deadline, f"workers left: {worker_processes()}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_segfault_that_repeats_after_a_restart_fails_without_more_restarts() -> None:
+    loader = _segfault_loader()
+    started = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the one restart's warning
+        async with loader, asyncio.timeout(60):
+            with pytest.raises(WorkerCrashedError, match=TORCH_SEGFAULT):
+                async for _ in loader:
+                    pass
+            # At most one worker start-up after the first crash (was up to one per restart).
+            assert loader.stats().worker_restarts <= 1
+            await _no_workers_within(20)
+    # About two spawn start-ups when quiet; the bound is for a busy machine.
+    assert time.monotonic() - started < 40
+
+
+@pytest.mark.timeout(90)
+def test_a_repeated_segfault_reaches_a_synchronous_caller_and_leaves_no_worker() -> None:
+    loader = _segfault_loader()
+    started = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with loader.sync() as bridge, pytest.raises(WorkerCrashedError, match=TORCH_SEGFAULT):
+            next(iter(bridge))
+    assert loader.stats().worker_restarts <= 1
+    deadline = time.monotonic() + 20
+    while worker_processes():
+        assert time.monotonic() < deadline, f"workers left: {worker_processes()}"
+        time.sleep(0.05)
+    assert time.monotonic() - started < 40
+
+
+async def test_segfaults_on_different_batches_with_progress_between_are_each_restarted(
+    tmp_path: Path,
+) -> None:
+    # Each bad sample faults once; every replacement completes batches before the next fault,
+    # so each fault is a restart and every sample arrives.
+    ds = datasets.ExitOnceAtDataset(40, [1, 13, 29], str(tmp_path), segfault=True)
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=2, max_worker_restarts=5) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got = [int(i) for b in await collect(loader, limit=60) for i in b]
+        assert got == list(range(40))
+        assert loader.stats().worker_restarts == 3
 
 
 MID_WRITE_TWO_POOLS_SCRIPT = """
