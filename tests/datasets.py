@@ -646,6 +646,27 @@ class SegfaultEveryDataset(RangeDataset):
         return super().__getitem__(i)
 
 
+class SegfaultInTurnDataset(RangeDataset):
+    """Every sample segfaults; batches 0 and 1 (batch_size 2) take turns to fault first: batch 1
+    until the first fault (marker file ``marker``), batch 0 after it, the other one a second
+    later. So a restart after the first fault crashes on a different batch than the first."""
+
+    def __init__(self, n: int, marker: str) -> None:
+        super().__init__(n)
+        self.marker = marker
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import ctypes
+
+        faulted_before = os.path.exists(self.marker)
+        if i // 2 == (1 if faulted_before else 0):
+            time.sleep(1.0)
+        with open(self.marker, "a"):
+            pass
+        ctypes.string_at(0)
+        return super().__getitem__(i)
+
+
 class TaggedTensor(torch.Tensor):
     """A tensor subclass: it must arrive as itself, as torch's DataLoader delivers it."""
 
