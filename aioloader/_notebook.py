@@ -6,9 +6,10 @@ the cell makes a new loader and leaves the old one's workers running, and the ``
 a collected loader would give never comes. The loaders' ``_repr_pretty_`` (IPython's hook for
 the text it shows) calls :func:`warn_if_kept`, which says so once per loader.
 
-After each cell (IPython's ``post_run_cell`` event) a loader shown that way, once bound to a name
-of the user's and now held by nothing but the output history (the name was given to a new
-loader, or deleted), is closed, as the collector would have done without that history. Only the
+After each cell (IPython's ``post_run_cell`` event, in a kernel, whose event loop runs between
+cells) a loader shown that way, once bound to a name of the user's and now held by nothing but
+the output history (the name was given to a new loader, or deleted), is closed, as the
+collector would have done without that history. Only the
 history may hold it: any other reference (a variable, a list, an iterator, a running task, an
 object of a C extension) leaves it alone.
 """
