@@ -30,6 +30,7 @@ from anyio.from_thread import BlockingPortal
 from torch.utils.data import DataLoader
 from typing_extensions import TypeVar
 
+from . import _notebook
 from ._attrs import TorchAttributes
 from ._errors import LoaderClosedError
 
@@ -136,6 +137,7 @@ class _Portal:
 # The portal of each bridged loader, weakly keyed: a collected loader's finalizer stops it.
 _portals: weakref.WeakKeyDictionary[BridgedLoader[Any], _Portal] = weakref.WeakKeyDictionary()
 _portals_lock = threading.Lock()
+_notebook.bridged = _portals.__contains__
 # loader -> its bridge, so loader.sync() returns one object while it lives (the bridge holds
 # its loader: a strong value here would keep the loader alive for ever).
 _bridges: weakref.WeakKeyDictionary[BridgedLoader[Any], weakref.ref[SyncDataLoader[Any]]] = (
@@ -211,6 +213,13 @@ class SyncDataLoader(TorchAttributes, Generic[_B]):
 
     def __repr__(self) -> str:
         return f"<SyncDataLoader of {self._loader!r}>"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # IPython's text for a cell's result, which its output history keeps: say so.
+        printer.text(repr(self))
+        _notebook.warn_if_kept(
+            self._loader, self, "{}.close()", "with AsyncDataLoader(...).sync() as loader:"
+        )
 
     def stats(self) -> LoaderStats:
         """The loader's :meth:`~aioloader.AsyncDataLoader.stats`."""

@@ -40,7 +40,7 @@ from torch.utils.data import (
 )
 from typing_extensions import TypeVar
 
-from . import _worker
+from . import _notebook, _worker
 from ._attrs import TorchAttributes, check_prefetch_factor
 from ._backend import Backend, Launcher
 from ._bridge import SyncDataLoader
@@ -327,6 +327,13 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             f"<AsyncDataLoader dataset={type(self.dataset).__name__} "
             f"batch_size={self.batch_size} num_workers={self.num_workers} "
             f"state={self._state.value}>"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # IPython's text for a cell's result, which its output history keeps: say so.
+        printer.text(repr(self))
+        _notebook.warn_if_kept(
+            self, self, "await {}.aclose()", "async with AsyncDataLoader(...) as loader:"
         )
 
     def __iter__(self) -> NoReturn:

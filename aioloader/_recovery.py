@@ -11,6 +11,10 @@ Policy, per epoch (``max_worker_restarts``):
 * a worker that died before it finished starting is a set-up error (an unimportable ``__main__``
   under spawn, say): restarting would only repeat it;
 * an index batch that killed its worker twice is a :class:`~aioloader.PoisonBatchError`;
+* a native fault (SIGSEGV, SIGBUS, ...) in the workers that replaced ones that faulted the same
+  way, before they completed any batch resubmitted to them, is fatal: those batches crash every
+  process that loads them. Each round costs a worker start-up (under spawn, importing torch,
+  many seconds on a busy machine), so a crash that repeats is not retried round after round;
 * past ``max_worker_restarts`` restarts the epoch fails with
   :class:`~aioloader.WorkerCrashedError`.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import signal
 import warnings
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
@@ -73,6 +78,12 @@ __all__ = ("Recovery", "RecoverySide", "start_error", "start_failure")
 
 _logger = logging.getLogger(__name__)
 
+# A process killed by one of these crashed by itself (a bad pointer, a failed assertion in native
+# code), as opposed to being killed (SIGKILL, SIGTERM) or exiting.
+_FAULTS = frozenset(
+    -s for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
+)
+
 
 class Recovery:
     """The epoch's crash handling: :meth:`on_crash` is the one entry point."""
@@ -85,6 +96,10 @@ class Recovery:
         self._again = False
         # True while the recovery resubmits the batches in flight to the replacement workers.
         self.resubmitting = False
+        # The native fault (exit code) that caused the last restart, and the batches that restart
+        # resubmitted: the same fault before any of them completes ends the epoch.
+        self._fault: int | None = None
+        self._resubmitted: frozenset[int] = frozenset()
 
     def on_crash(self, gen: int) -> None:
         """A worker of generation ``gen`` died (sentinel or ``BrokenProcessPool``)."""
@@ -123,11 +138,13 @@ class Recovery:
                 self.restarts += 1
                 ep.counters.restarts += 1
                 self._warn(report)
+                self._fault = report.exitcode if report.exitcode in _FAULTS else None
                 new = await backend.replace()
                 if ep.terminal:
                     await new.shutdown(graceful=False)
                     return
                 ep.adopt(backend, new)
+                self._resubmitted = frozenset(ep.in_flight)
                 self.resubmitting = True
                 try:
                     for send_idx in sorted(ep.in_flight):
@@ -222,6 +239,21 @@ class Recovery:
             return PoisonBatchError(
                 f"{msg}. This index batch killed its worker twice: one of these samples crashes "
                 "the process that loads it (look for a native crash or out-of-memory kill).",
+                indices=indices,
+                **common,
+            )
+        if (
+            held is not None
+            and report.exitcode is not None
+            and report.exitcode == self._fault
+            and self._resubmitted
+            and self._resubmitted <= ep.in_flight.keys()
+        ):
+            return WorkerCrashedError(
+                f"{msg}. The workers started after the previous crash, which faulted the same "
+                f"way, crashed before completing any of the {len(self._resubmitted)} batch(es) "
+                "resubmitted to them, so they are not restarted again: these samples crash "
+                "every process that loads them (look for a native crash).",
                 indices=indices,
                 **common,
             )

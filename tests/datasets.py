@@ -339,18 +339,24 @@ def container_collate(samples: list[torch.Tensor]) -> Pair:
 
 
 class ExitOnceAtDataset(RangeDataset):
-    """Loading any index in ``bad`` kills the worker, once per index (marker files in ``dir``)."""
+    """Loading any index in ``bad`` kills the worker, once per index (marker files in ``dir``):
+    ``os._exit(9)``, or a real segmentation fault with ``segfault=True``."""
 
-    def __init__(self, n: int, bad: list[int], marker_dir: str) -> None:
+    def __init__(self, n: int, bad: list[int], marker_dir: str, segfault: bool = False) -> None:
         super().__init__(n)
         self.bad = set(bad)
         self.marker_dir = marker_dir
+        self.segfault = segfault
 
     def __getitem__(self, i: int) -> torch.Tensor:
         marker = os.path.join(self.marker_dir, f"died-{i}")
         if i in self.bad and not os.path.exists(marker):
             with open(marker, "w"):
                 pass
+            if self.segfault:
+                import ctypes
+
+                ctypes.string_at(0)
             os._exit(9)
         return super().__getitem__(i)
 
@@ -627,6 +633,37 @@ class SegfaultDataset(RangeDataset):
             import ctypes
 
             ctypes.string_at(0)  # a read at address 0: SIGSEGV
+        return super().__getitem__(i)
+
+
+class SegfaultEveryDataset(RangeDataset):
+    """Every sample crashes its worker with a segmentation fault (torch's test_segfault)."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import ctypes
+
+        ctypes.string_at(0)
+        return super().__getitem__(i)
+
+
+class SegfaultInTurnDataset(RangeDataset):
+    """Every sample segfaults; batches 0 and 1 (batch_size 2) take turns to fault first: batch 1
+    until the first fault (marker file ``marker``), batch 0 after it, the other one a second
+    later. So a restart after the first fault crashes on a different batch than the first."""
+
+    def __init__(self, n: int, marker: str) -> None:
+        super().__init__(n)
+        self.marker = marker
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import ctypes
+
+        faulted_before = os.path.exists(self.marker)
+        if i // 2 == (1 if faulted_before else 0):
+            time.sleep(1.0)
+        with open(self.marker, "a"):
+            pass
+        ctypes.string_at(0)
         return super().__getitem__(i)
 
 

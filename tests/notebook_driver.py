@@ -5,6 +5,7 @@ threads then never count against the test process's leak check):
 
     python -m tests.notebook_driver run OUT.ipynb       execute the notebook, write it with outputs
     python -m tests.notebook_driver interrupt OUT.json  interrupt a cell mid-epoch, run it again
+    python -m tests.notebook_driver history OUT.json    a persistent loader shown as a cell's result
 
 The kernel is this interpreter's own ipykernel, described by a kernel spec written to a temporary
 folder: no kernel installed for the user or the system is needed or used.
@@ -172,6 +173,68 @@ async def interrupt(out: Path) -> None:
     out.write_text(json.dumps(report, indent=1))  # noqa: ASYNC240 (the driver's last act)
 
 
+HISTORY_CELLS = {
+    "setup": (
+        "import torch\n"
+        "from torch.utils.data import TensorDataset\n"
+        "from aioloader import AsyncDataLoader\n"
+        "ds = TensorDataset(torch.arange(16.0))"
+    ),
+    # Iterated, then shown as the cell's result: Out[n] keeps it and its workers.
+    "shown": (
+        "loader = AsyncDataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)\n"
+        "batches = [b async for b in loader]\n"
+        "loader"
+    ),
+    # A cell ending with `;` keeps no result: no warning.
+    "quiet": (
+        "quiet = AsyncDataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)\nquiet;"
+    ),
+    "close": "await loader.aclose()\nawait quiet.aclose()\nprint('closed', loader, quiet)",
+}
+
+
+async def history(out: Path) -> None:
+    nb = nbformat.v4.new_notebook()
+    report: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as spec_dir:
+        km = kernel_manager(Path(spec_dir))
+        nc = client(nb, km, allow_errors=True)
+        async with nc.async_setup_kernel():
+            assert km.provisioner is not None
+            kernel_pid = km.provisioner.pid  # type: ignore[attr-defined]
+            report["kernel_pid"] = kernel_pid
+
+            async def execute(name: str, source: str = "") -> Any:
+                cell = nbformat.v4.new_code_cell(HISTORY_CELLS[source or name])
+                nb.cells.append(cell)
+                await asyncio.wait_for(nc.async_execute_cell(cell, len(nb.cells) - 1), 120)
+                report[f"{name}_stderr"] = "".join(
+                    o.get("text", "") for o in cell.outputs if o.get("name") == "stderr"
+                )
+                report[f"{name}_text"] = text_of(cell)
+                return cell
+
+            await execute("setup")
+            await execute("shown")
+            report["workers_shown"] = len(worker_children(kernel_pid))
+            # Run the same cell again: the old loader's name now holds the new one.
+            await execute("rerun", "shown")
+            with contextlib.suppress(TimeoutError):  # the count below tells
+                await until(
+                    "the old loader's workers gone",
+                    lambda: len(worker_children(kernel_pid)) <= 2,
+                    30,
+                )
+            report["workers_rerun"] = len(worker_children(kernel_pid))
+            await execute("quiet")
+            await execute("close")
+            with contextlib.suppress(TimeoutError):  # the count below tells
+                await until("workers gone", lambda: not worker_children(kernel_pid), 30)
+            report["workers_closed"] = len(worker_children(kernel_pid))
+    out.write_text(json.dumps(report, indent=1))  # noqa: ASYNC240 (the driver's last act)
+
+
 if __name__ == "__main__":
     mode, target = sys.argv[1], Path(sys.argv[2])
-    asyncio.run({"run": run, "interrupt": interrupt}[mode](target))
+    asyncio.run({"run": run, "interrupt": interrupt, "history": history}[mode](target))

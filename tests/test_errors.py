@@ -19,7 +19,7 @@ import torch
 
 from aioloader import AsyncDataLoader, LoaderTimeoutError, PoisonBatchError, WorkerCrashedError
 from tests import datasets
-from tests.conftest import collect
+from tests.conftest import collect, worker_processes
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -513,6 +513,85 @@ async def test_a_segfaulting_worker_is_reported_in_torchs_words(restarts: int) -
         r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault", str(info.value)
     ), str(info.value)
     assert info.value.exitcode == -signal.SIGSEGV
+
+
+TORCH_SEGFAULT = r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault"
+
+
+def _segfault_loader(start_method: str) -> AsyncDataLoader[Any]:
+    # torch's test_segfault (every sample faults, 2 workers) with persistent workers.
+    return AsyncDataLoader(
+        datasets.SegfaultEveryDataset(10),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context=start_method,
+    )
+
+
+async def test_a_segfault_that_repeats_after_a_restart_fails_without_more_restarts() -> None:
+    # Spawned workers, as torch's test gets them: every restart is a worker start-up that
+    # imports torch, seconds on a busy machine, so the number of restarts is what bounds the wait.
+    loader = _segfault_loader("spawn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the one restart's warning
+        # torch's test gives its process 60 s (JOIN_TIMEOUT); two quiet start-ups take ~3 s.
+        async with loader, asyncio.timeout(60):
+            with pytest.raises(WorkerCrashedError, match=TORCH_SEGFAULT):
+                async for _ in loader:
+                    pass
+            # At most one restart after the first crash (was up to one per batch in flight).
+            assert loader.stats().worker_restarts <= 1
+            deadline = time.monotonic() + 20
+            while worker_processes():
+                assert time.monotonic() < deadline, f"workers left: {worker_processes()}"
+                await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_a_repeated_segfault_reaches_a_synchronous_caller_and_leaves_no_worker() -> None:
+    loader = _segfault_loader("fork")
+    started = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with loader.sync() as bridge, pytest.raises(WorkerCrashedError, match=TORCH_SEGFAULT):
+            next(iter(bridge))
+    assert loader.stats().worker_restarts <= 1
+    # Forked workers start in milliseconds: the error and the workers' end take well under 1 s.
+    while worker_processes():
+        assert time.monotonic() - started < 20, f"workers left: {worker_processes()}"
+        time.sleep(0.05)
+    assert time.monotonic() - started < 20
+
+
+async def test_a_fault_on_another_batch_before_any_completes_is_not_restarted_again(
+    tmp_path: Path,
+) -> None:
+    # The first crash blames batch 1, the restarted workers' crash batch 0: no batch was
+    # killed twice, yet the replacement completed nothing, so the epoch ends there.
+    ds = datasets.SegfaultInTurnDataset(8, str(tmp_path / "faulted"))
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=2, prefetch_factor=1) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with pytest.raises(WorkerCrashedError, match="before completing any") as info:
+                await collect(loader, limit=60)
+    assert not isinstance(info.value, PoisonBatchError)
+    assert info.value.indices == [0, 1]
+    assert loader.stats().worker_restarts == 1
+
+
+async def test_segfaults_on_different_batches_with_progress_between_are_each_restarted(
+    tmp_path: Path,
+) -> None:
+    # Each bad sample faults once; every replacement completes batches before the next fault,
+    # so each fault is a restart and every sample arrives.
+    ds = datasets.ExitOnceAtDataset(40, [1, 13, 29], str(tmp_path), segfault=True)
+    async with AsyncDataLoader(ds, batch_size=2, num_workers=2, max_worker_restarts=5) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got = [int(i) for b in await collect(loader, limit=60) for i in b]
+        assert got == list(range(40))
+        assert loader.stats().worker_restarts == 3
 
 
 MID_WRITE_TWO_POOLS_SCRIPT = """

@@ -1,5 +1,6 @@
 """examples/notebook.ipynb executed by a real Jupyter kernel (nbclient + ipykernel), as a user
-runs it; and a cell interrupted in the middle of an epoch, then run again.
+runs it; a cell interrupted in the middle of an epoch, then run again; a persistent loader
+shown as a cell's result.
 
 The kernel is driven from a process of its own (tests/notebook_driver.py)."""
 
@@ -9,11 +10,15 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+from aioloader import AsyncDataLoader
+from tests import datasets
 
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
@@ -92,3 +97,38 @@ def test_interrupting_a_cell_mid_epoch_releases_the_workers_and_the_cell_runs_ag
     if psutil.pid_exists(report["kernel_pid"]):
         _, alive = psutil.wait_procs([psutil.Process(report["kernel_pid"])], timeout=10)
         assert not alive, "the kernel outlived its client"
+
+
+def test_a_persistent_loader_shown_as_a_cells_result_warns_and_its_workers_end(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "report.json"
+    _drive("history", out)
+    report = json.loads(out.read_text())
+    shown, rerun = report["shown_stderr"], report["rerun_stderr"]
+    assert report["workers_shown"] == 2, report
+    # The warning says what keeps the workers and how to release them, once.
+    assert shown.count("UserWarning") == 1, shown
+    assert "UserWarning: aioloader: Out[2] keeps this AsyncDataLoader alive" in shown, shown
+    assert "`await loader.aclose()`" in shown, shown
+    # The same cell run again: the new loader warns, and the old one, which only Out[2] held
+    # once the name was given to the new one, is closed.
+    assert "Out[3] keeps this AsyncDataLoader alive" in rerun, rerun
+    assert "closed the AsyncDataLoader shown as Out[2]" in rerun, rerun
+    assert report["workers_rerun"] == 2, report
+    assert report["quiet_stderr"] == "", report["quiet_stderr"]
+    assert "Error" not in report["close_text"], report["close_text"]
+    assert report["workers_closed"] == 0, report
+    if psutil.pid_exists(report["kernel_pid"]):
+        _, alive = psutil.wait_procs([psutil.Process(report["kernel_pid"])], timeout=10)
+        assert not alive, "the kernel outlived its client"
+
+
+def test_a_loader_formatted_outside_a_cells_result_does_not_warn() -> None:
+    from IPython.lib.pretty import pretty
+
+    loader = AsyncDataLoader(datasets.RangeDataset(4), num_workers=2, persistent_workers=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pretty(loader) == repr(loader)
+        assert pretty([loader.sync()]) == f"[{loader.sync()!r}]"
