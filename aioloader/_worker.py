@@ -757,14 +757,15 @@ def _freeze_inherited() -> None:
 
 
 def _freeze_setup() -> None:
-    """After the worker's set-up, freeze what it made too: the dataset unpickled (spawn,
-    forkserver), the modules that brought in, what ``worker_init_fn`` built. They live as long
-    as the worker; every full collection would walk them again, holding the GIL while it does
-    (about 110 ms for a process that imported torch on a busy 2-core machine, against 7 ms with
-    its objects frozen): long enough to stall an async dataset's requests on the worker's io
-    loop and to set the pace of the slowest batches. Skipped if ``worker_init_fn`` undid the
-    first freeze with ``gc.unfreeze()``."""
-    if _FREEZE_IS_FREE and gc.get_freeze_count() > 0:
+    """Before ``worker_init_fn``, freeze what the worker's set-up made too: the dataset unpickled
+    (spawn, forkserver) and the modules that brought in. They live as long as the worker; every
+    full collection would walk them again, holding the GIL while it does (about 110 ms for a
+    process that imported torch on a busy 2-core machine, against 7 ms with its objects frozen):
+    long enough to stall an async dataset's requests on the worker's io loop and to set the pace
+    of the slowest batches. A ``gc.unfreeze()`` in ``worker_init_fn`` still undoes both freezes.
+    (Nothing here may count the frozen objects: ``gc.get_freeze_count()`` walks them all, which
+    in a forked worker also copies their pages.)"""
+    if _FREEZE_IS_FREE:
         gc.freeze()
 
 
@@ -829,8 +830,7 @@ def init(
         assert spec.payload_file is not None
         return _transport.load_payload(*spec.payload_file)  # type: ignore[no-any-return]
 
-    setup(spec, worker_id, objects)
-    _freeze_setup()
+    setup(spec, worker_id, objects, freeze=True)
     if ready_slots is not None:
         failed = _state.init_error is not None
         if failed and start_errors is not None:
@@ -875,12 +875,14 @@ def setup(
     objects: Any,
     *,
     shm_collate: bool = True,
+    freeze: bool = False,
 ) -> None:
     """This process's worker state: seeds, ``WorkerInfo``, ``worker_init_fn``. Never raises.
 
     Shared by process workers (:func:`init`) and Ray actors. ``objects()`` returns the dataset,
     ``collate_fn`` and ``worker_init_fn``. ``shm_collate=False``: ``default_collate`` never
     builds batches in shared memory (a Ray actor's results travel through Ray's object store).
+    ``freeze``: freeze what the set-up made before ``worker_init_fn`` (see :func:`_freeze_setup`).
     A failure is stored and reported by every later fetch (see :func:`init`).
     """
     _state.worker_id = worker_id
@@ -921,6 +923,8 @@ def setup(
             and spec.auto_collation
             and collate_fn is _default_collate_small_inline
         )
+        if freeze:
+            _freeze_setup()
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
         if remote is not None:
