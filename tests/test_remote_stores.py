@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from aioloader import AsyncDataLoader, FetchPolicy
+from aioloader import AsyncDataLoader, FetchPolicy, _remote
 from tests.conftest import collect
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -144,9 +144,9 @@ async def test_hedging_sends_a_second_request_for_the_slow_tail(make_http_store:
     ) as loader:
         samples = [s for b in await collect(loader, 120) for s in b]
     assert [_first_index(s) for s in samples] == list(range(600))
-    # Some samples were asked for twice (the store never counts the loser it was cancelled
-    # for), and each was delivered once.
-    assert max(ds.calls.values()) == 2
+    # Some samples were asked for again (the store never counts the loser it was cancelled
+    # for): twice, or three times when the hedge met the tail too; each was delivered once.
+    assert 2 <= max(ds.calls.values()) <= 1 + _remote._HEDGES
     assert sum(ds.calls.values()) > 600
 
 
