@@ -566,7 +566,7 @@ _SPARSE_LAYOUTS = frozenset(
 )
 
 
-def _stack_unshared(batch: list[torch.Tensor]) -> torch.Tensor:
+def _stack_unshared(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
     """torch's ``collate_tensor_fn`` as it runs outside a worker: no shared-memory segment.
 
     torch picks the segment by ``get_worker_info()``; clearing that for the call would be seen
@@ -715,15 +715,9 @@ def _streams(indices: Any) -> bool:
     )
 
 
-def _collate_tensors_no_shm(
-    batch: list[torch.Tensor], *, collate_fn_map: Any = None
-) -> torch.Tensor:
-    return _stack_unshared(batch)
-
-
 _COLLATE_NO_SHM_MAP = {
     **torch_collate.default_collate_fn_map,
-    torch.Tensor: _collate_tensors_no_shm,
+    torch.Tensor: _stack_unshared,
 }
 
 

@@ -44,7 +44,7 @@ async def test_workers_deliver_torch_order_and_overlap_requests_across_batches()
     assert ds.calls == {}  # this process's copy was never called
 
 
-@pytest.mark.parametrize("collate", ["_collate_tensors", "_collate_tensors_no_shm"])
+@pytest.mark.parametrize("collate", ["_collate_tensors", "_stack_unshared"])
 def test_collating_a_small_batch_leaves_get_worker_info_to_the_other_threads(
     collate: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
