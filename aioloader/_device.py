@@ -7,9 +7,9 @@ in send_idx order). Downstream: the consumer. Imports nothing from the loader.
 Per batch, on the device thread::
 
     pin_memory(batch)                      torch's own helper: tensors, containers, custom types
-    with torch.cuda.stream(side):          side stream: the copy does not queue behind compute
-        t.to(device, non_blocking=True)    for every tensor; the pinned source makes it truly async
-        event.record(side)                 marks "this batch's copies are done"
+    t.to(device, non_blocking=True)        on the side stream, the thread's current stream: the copy
+                                           does not queue behind compute; pinned makes it async
+    event.record(side)                     marks "this batch's copies are done"
     t.record_stream(consumer)              the allocator learns the consumer stream uses t
 
 then, back on the event-loop thread, before ``process()`` returns::
@@ -307,6 +307,10 @@ class DeviceStage:
                 # torch.cuda.Stream/Event have untyped constructors, hence the ignores.
                 stream = torch.cuda.Stream(device=self._cuda_index)  # type: ignore[no-untyped-call]
                 self._side_stream = stream
+                # The current stream is per thread and this thread does nothing else, so the
+                # side stream is made current once: entering torch.cuda.stream() for every batch
+                # cost about 50 us of Python, 3 % of a 64 MiB batch's time (H200).
+                torch.cuda.set_stream(stream)
         except Exception as exc:
             # Raising here would break the pool and every process() would see only
             # BrokenThreadPool; keeping it lets the first batch re-raise the real error.
@@ -324,10 +328,10 @@ class DeviceStage:
             raise RuntimeError("aioloader-device thread has no CUDA streams")
         device = torch.device("cuda", self._cuda_index)
         moved: list[torch.Tensor] = []
-        with torch.cuda.stream(side):
-            result: _T = _to_device(pinned, device, moved)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(side)
+        # The side stream is this thread's current stream (_init_thread): the copies queue there.
+        result: _T = _to_device(pinned, device, moved)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(side)
         for tensor in moved:
             tensor.record_stream(consumer)
         return result, event

@@ -490,6 +490,7 @@ async def test_cuda_consumer_stream_waits_for_the_copy(
 ) -> None:
     consumer = torch.cuda.current_stream() if consumer_kind == "default" else torch.cuda.Stream()
     stage = stages(pin_memory=True, device="cuda")
+    before = torch.cuda.current_stream()
     with torch.cuda.stream(consumer):  # the stream current when the loader starts is the consumer
         stage.start()
     batch = torch.randn(4 * 1024 * 1024)
@@ -505,6 +506,8 @@ async def test_cuda_consumer_stream_waits_for_the_copy(
         with torch.cuda.stream(side):
             torch.cuda._sleep(SLOW_KERNEL_CYCLES)  # the next copy queues behind this
         out = await stage.process(batch)
+        # The device thread makes the side stream its current one; this thread's stays its own.
+        assert torch.cuda.current_stream() == before
         copy_done = torch.cuda.Event()
         copy_done.record(side)
         with torch.cuda.stream(consumer):
