@@ -126,6 +126,10 @@ class Epoch:
         self.generation = 0
         # Set by the stream scheduler while an open window's samples are with a worker.
         self.window_ahead: tuple[int, Any] | None = None
+        #: An async source's windows as the workers timed them: moving averages of a window's
+        #: seconds (transform and collate) and samples; None until one came back. Read by the
+        #: loop lane (``_looplane``).
+        self.window_cost: tuple[float, float] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None
         self.started_at: float | None = None
@@ -508,6 +512,14 @@ class Epoch:
             self.recovery.on_crash(gen)
             return
         self.counters.busy_s += res.busy_s
+        if type(flight.indices) is _worker.Samples:
+            last = self.window_cost
+            size = len(flight.indices)
+            self.window_cost = (
+                (res.busy_s, size)
+                if last is None
+                else (0.75 * last[0] + 0.25 * res.busy_s, 0.75 * last[1] + 0.25 * size)
+            )
         if flight.worker_id is not None:
             self.outstanding[flight.worker_id] -= 1
             self.arrived.set()

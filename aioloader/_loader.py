@@ -137,6 +137,13 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             the samples then travel to the workers for ``transform`` and ``collate_fn``.
         fetch_policy: Async map-style datasets: a :class:`~aioloader.FetchPolicy` (per-call
             timeout, retries of transient failures, hedged calls). Default: ``FetchPolicy()``.
+        transform_in: Async iterable sources: where a window's ``transform`` and
+            ``collate_fn`` run. ``"workers"`` (the default): always in a worker process, so a
+            crash in them is a worker's. ``"auto"``: while the source keeps the loader waiting
+            and the workers measured the work as cheap, this event loop does it as samples
+            arrive, in steps of at most about 0.5 ms, with no process hop (lower latency for a
+            paced stream); see docs/streaming.md. With ``num_workers=0`` everything runs in this
+            process anyway, and it is always ``"auto"``.
 
     The dataset may be an **async source**: an async iterable (an ``async def`` generator, an
     object with ``__aiter__``), read on the event loop and batched by size or time, or a map-style
@@ -192,6 +199,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         executor: str | Launcher = "process",
         fetch_in: Literal["workers", "loop"] | None = None,
         fetch_policy: FetchPolicy | None = None,
+        transform_in: Literal["workers", "auto"] = "workers",
     ) -> None:
         stream, remote = _stream_input(
             dataset,
@@ -205,6 +213,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             num_workers=num_workers,
             fetch_in=fetch_in,
             fetch_policy=fetch_policy,
+            transform_in=transform_in,
         )
         # torch's own constructor does the validation, picks the default samplers and collate_fn,
         # and starts nothing: workers start only when it is iterated, which we never do.
@@ -266,6 +275,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         self.transform = transform
         self.max_batch_latency = max_batch_latency
         self.source_concurrency = source_concurrency
+        self.transform_in = transform_in
         self._stream = stream
         # fetch_in="workers": what the workers are sent instead of the bare dataset (see
         # _worker_dataset); None otherwise.
@@ -519,6 +529,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 num_workers=workers,
                 fetch_in="loop" if stream.kind == "map" or torch_iterable else None,
                 fetch_policy=stream.policy if stream.kind == "map" else None,
+                transform_in=self.transform_in,
             )
         elif self._remote is not None:
             _check_int(
@@ -528,12 +539,20 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 None,
                 "a positive int (requests in flight per worker)",
             )
-            if self.max_batch_latency is not None:
-                raise ValueError(
-                    "max_batch_latency applies to a stream read on this event loop; this loader "
-                    "fetches in the workers (fetch_in='workers')"
-                )
-        elif self.transform is not None or self.max_batch_latency is not None:
+            for name, value in (
+                ("max_batch_latency", self.max_batch_latency),
+                ("transform_in", None if self.transform_in == "workers" else self.transform_in),
+            ):
+                if value is not None:
+                    raise ValueError(
+                        f"{name} applies to a stream read on this event loop; this loader "
+                        "fetches in the workers (fetch_in='workers')"
+                    )
+        elif (
+            self.transform is not None
+            or self.max_batch_latency is not None
+            or self.transform_in != "workers"
+        ):
             _stream_input(  # raises: they apply to async sources only
                 self.dataset,
                 batch_size=None,
@@ -546,6 +565,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 num_workers=workers,
                 fetch_in=None,
                 fetch_policy=None,
+                transform_in=self.transform_in,
             )
         in_order = bool(self.in_order)
         torch_loader = self._torch
@@ -1154,6 +1174,7 @@ def _stream_input(
     num_workers: object,
     fetch_in: object,
     fetch_policy: object,
+    transform_in: object = "workers",
 ) -> tuple[StreamInput | None, InWorkers | None]:
     """Validate the async-source arguments. Returns what the loop reads (an async iterable, or an
     async map-style dataset fetched on the loop) or what the workers fetch
@@ -1180,7 +1201,18 @@ def _stream_input(
             "loop of its own), 'loop' (this event loop calls it) or None (the default: 'workers' "
             f"when num_workers > 0), got {fetch_in!r}"
         )
+    if transform_in not in ("workers", "auto"):
+        raise ValueError(
+            "transform_in should be 'workers' (a window's transform and collate_fn always run in "
+            "a worker process) or 'auto' (a paced stream's cheap windows run on this event "
+            f"loop, with no process hop), got {transform_in!r}"
+        )
     is_torch_iterable = kind == "iterable" and isinstance(dataset, IterableDataset)
+    if transform_in == "auto" and kind != "iterable":
+        raise ValueError(
+            "transform_in='auto' applies to async iterable sources (a stream read on this event "
+            f"loop) only, and {type(dataset).__name__} is not one"
+        )
     if kind != "map":
         for name, value in (("fetch_in", fetch_in), ("fetch_policy", fetch_policy)):
             if name == "fetch_in" and is_torch_iterable:
@@ -1237,6 +1269,11 @@ def _stream_input(
                 reason = "cannot close batches by time (max_batch_latency): a stream read here can"
             elif acks:
                 reason = "cannot acknowledge samples (ack()): they are read on this event loop"
+            elif transform_in == "auto":
+                reason = (
+                    "reads it in the workers, so transform_in='auto' (windows loaded on this "
+                    "event loop) cannot apply"
+                )
             else:
                 check_no_client(dataset)
                 concurrency = int(source_concurrency)  # type: ignore[call-overload]
@@ -1253,6 +1290,7 @@ def _stream_input(
         batch_size=batch_size,
         transformed=transform is not None,
         policy=policy,
+        transform_in=str(transform_in),
     )
     return stream, None
 

@@ -77,8 +77,11 @@ class StreamInput:
         batch_size: int | None,
         transformed: bool = False,
         policy: FetchPolicy | None = None,
+        transform_in: str = "workers",
     ) -> None:
         self.source = source
+        #: ``"auto"``: a paced stream's cheap windows may be loaded on the loop (``_looplane``).
+        self.transform_in = transform_in
         #: How an async map-style dataset's calls are made (timeouts, retries, hedging).
         self.policy = policy if policy is not None else FetchPolicy()
         #: A ``transform`` runs per sample in the workers: worth starting on a window early.

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, Protocol
 
 from torch.utils.data import IterableDataset
 
+from ._looplane import LoopLane
 from ._records import Failure, Flight, StreamInput
 from ._remote import FetchPolicy, SampleFetcher
 from ._resume import batch_seed
@@ -68,6 +69,7 @@ class StreamSide(SubmitSide, Protocol):
 
     acks: Acks | None
     window_ahead: tuple[int, Any] | None
+    window_cost: tuple[float, float] | None
 
     def prefeed(self, send_idx: int, worker_id: int | None, samples: Any) -> bool: ...
 
@@ -183,6 +185,18 @@ def _submit(epoch: StreamSide, send_idx: int, samples: Samples, wid: int | None)
     epoch.submit(send_idx)
 
 
+def _deliver_local(
+    epoch: StreamSide, send_idx: int, samples: Samples, wid: int | None, result: Any
+) -> None:
+    """Hand over a window the loop lane loaded, as its worker's result would be."""
+    if epoch.acks is not None:
+        epoch.acks.submitted(send_idx, samples)
+    if wid is not None:
+        epoch.outstanding[wid] -= 1
+        epoch.arrived.set()
+    epoch.reorder.put(send_idx, result)
+
+
 async def _permit(epoch: StreamSide) -> tuple[bool, int | None]:
     """Wait for a permit and a running epoch; (False, None) if the epoch ended meanwhile."""
     await epoch.permits.acquire()
@@ -220,6 +234,8 @@ class _Reader:
         #: Set after the last sample: the source ran dry or failed.
         self.end: _End | None = None
         self.stopping = False
+        #: The reader awaits the source's next sample (not room in the buffer, not its turn).
+        self.in_source = False
         # An AsyncIterableDataset's client (__aenter__/__aexit__) lives as long as the read, as
         # in a worker. Any other async iterable (a stream such as RedisStreamSource) is the
         # caller's to enter and close: it outlives epochs, and its acks come after the read.
@@ -276,7 +292,9 @@ class _Reader:
             if self.client is not None:
                 await self.client.open()
             it = aiter(self.source)
+            self.in_source = True
             async for sample in it:
+                self.in_source = False
                 if self.stopping:
                     return
                 t = now()
@@ -292,6 +310,8 @@ class _Reader:
                 arrived.append(t)
                 if self._data is not None:
                     self._wake(self._data)
+                self.in_source = True
+            self.in_source = False
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # the source failed: raised at its position in the stream
@@ -366,15 +386,21 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
     # the window closes (produce-to-delivery latency of a fast paced stream). Not with
     # seeding="batch": the transform must run under the batch's seed.
     ahead = stream.transformed and size > 1 and epoch.plan.seeding != "batch"
+    # A paced source's cheap windows are transformed and collated here, with no process hop.
+    lane = LoopLane(epoch)
+    lane_step = max(1, size // 8)
     waited = 0.0  # how long the last wait for the source took
+    idle = 0.0  # the share of the last window's filling spent waiting for the source
     send_idx = 0
     try:
         while True:
+            local = lane.usable(idle)
+            opened, idle_s = loop.time(), 0.0
             ok, wid = await _permit(epoch)
             if not ok:
                 return
             window = Samples()
-            sent = 0  # samples of the window sent ahead
+            sent = 0  # samples of the window sent ahead (or, on the lane, transformed)
             deadline: float | None = None
             end: _End | None = None
             while len(window) < size:
@@ -382,7 +408,14 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                     # Only when the source kept us waiting last time too: a paced source. One
                     # that hands over control at every sample but has the next one ready at
                     # once would cost a post per sample; an unpaced one never empties the buffer.
-                    if (
+                    if local:
+                        # The loop is idle until the next sample anyway. A few samples a step:
+                        # each step swaps the generators in and out (see _looplane).
+                        if len(window) - sent >= lane_step:
+                            began = loop.time()
+                            sent = await lane.transform(send_idx, window, sent, wid)
+                            idle_s += loop.time() - began  # idle time the lane put to use
+                    elif (
                         ahead
                         and waited >= AHEAD_MIN_WAIT_S
                         and len(window) > sent
@@ -392,18 +425,27 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                         window.ahead = ((epoch.epoch_no, send_idx), sent)
                         epoch.window_ahead = (send_idx, window)
                     began = loop.time()
+                    # Waiting while the reader is inside the source: the source keeps us waiting.
+                    # (An unpaced source never suspends, so the reader is never seen there; the
+                    # buffer is then only empty until the reader runs again.)
+                    in_source = reading.in_source
+                    closed = False
                     if deadline is None:
                         await reading.wait()
                     else:
-                        remaining = deadline - loop.time()
+                        remaining = deadline - began
                         if remaining <= 0:
                             break  # closed by time
                         try:
                             async with asyncio.timeout(remaining):
                                 await reading.wait()  # cancel-safe: nothing is taken
                         except TimeoutError:
-                            break  # closed by time
+                            closed = True
                     waited = loop.time() - began
+                    if in_source:
+                        idle_s += waited
+                    if closed:
+                        break  # closed by time
                 if not reading.samples:
                     end = reading.end
                     break
@@ -411,16 +453,21 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                 arrived = reading.take(window, size - len(window))
                 if deadline is None and latency is not None:
                     deadline = arrived + latency
+            idle = idle_s / max(loop.time() - opened, 1e-9)
             error = end.error if end is not None else None
             dropped = not window or (drop_last and len(window) < size)
             if end is not None and error is None and dropped:
                 epoch.window_ahead = None
                 epoch.permits.release()  # nothing (left) to deliver: drop_last as in torch
                 break
+            result = await lane.finish(send_idx, window, sent, wid) if local and window else None
             await epoch.resumed.wait()  # a crash while reading pauses submission here
             if epoch.terminal:
                 return
-            if window:
+            if result is not None:
+                _deliver_local(epoch, send_idx, window, wid, result)
+                send_idx += 1
+            elif window:
                 _submit(epoch, send_idx, window, wid)
                 epoch.window_ahead = None  # in flight now: a crash is blamed on it from there
                 send_idx += 1

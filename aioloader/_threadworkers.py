@@ -42,7 +42,7 @@ from ._backend import Backend, Direct
 from ._executor import CrashReport
 from ._threads import JOIN_BOUND_S, release_threads, run_off_loop
 
-__all__ = ("ThreadWorkers", "install_thread_info")
+__all__ = ("ThreadWorkers", "install_thread_info", "thread_local")
 
 _local = threading.local()
 _install_lock = threading.Lock()
@@ -71,6 +71,11 @@ def install_thread_info() -> None:
         # Compiled against torch's module globals, so _worker_info is torch's own global.
         exec(source, module_globals, namespace)
         torch_worker.get_worker_info.__code__ = namespace["get_worker_info"].__code__
+
+
+def thread_local() -> threading.local:
+    """The thread-local whose ``info`` (when set) ``get_worker_info()`` returns on this thread."""
+    return _local
 
 
 def _make_rng(seed: int) -> Any:

@@ -170,6 +170,14 @@ _SETTERS: list[tuple[str, dict[str, Any], Any, Callable[[Plan], bool] | tuple[ty
         lambda p: p.stream is not None and p.stream.source_concurrency == 4,
     ),
     ("source_concurrency", _STREAM, 0, (ValueError, "source_concurrency should be")),
+    (
+        "transform_in",
+        _STREAM,
+        "auto",
+        lambda p: p.stream is not None and p.stream.transform_in == "auto",
+    ),
+    ("transform_in", _STREAM, "loop", (ValueError, "transform_in should be")),
+    ("transform_in", _MAP, "auto", (ValueError, "applies to async iterable sources")),
 ]
 
 

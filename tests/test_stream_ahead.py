@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from aioloader import AsyncDataLoader, PoisonBatchError
+from aioloader import AsyncDataLoader, PoisonBatchError, _looplane
 from aioloader._epoch import Epoch
 from tests import stream_sources as ss
 from tests.conftest import collect
@@ -24,7 +24,12 @@ N, BATCH, GAP = 12, 4, 0.03
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-async def test_a_filling_window_is_transformed_before_it_closes(num_workers: int) -> None:
+async def test_a_filling_window_is_transformed_before_it_closes(
+    num_workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What goes ahead to the worker; a cheap transform of a paced source may instead take the
+    # loop lane (tests/test_loop_lane.py).
+    monkeypatch.setattr(_looplane.LoopLane, "usable", lambda self, idle: False)
     src = ss.Slow(N, GAP)
     async with AsyncDataLoader(
         src, batch_size=BATCH, num_workers=num_workers, transform=ss.stamped

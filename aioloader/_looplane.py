@@ -1,0 +1,249 @@
+"""Loop lane: a paced stream's cheap windows, transformed and collated on the event loop itself.
+
+Runs in: the event loop, called by ``_stream`` for an async iterable source.
+
+A window sent to a worker crosses the process boundary twice: the worker wakes to transform and
+collate it, the loop wakes to receive the batch. For a source that keeps the loader waiting (a
+paced stream) and a ``transform`` that costs microseconds, those hops are most of a batch's
+produce-to-delivery latency, while the loop sits idle between samples. The lane spends that idle
+time instead: it transforms each sample soon after it arrives, in steps of at most
+:data:`STEP_S`, and collates the window on the loop when it closes, with no process hop.
+
+Where a window runs is decided by what it costs, per epoch:
+
+* The first windows go to the workers, which time every task; a window may take the lane only
+  once they measured at most :data:`MAX_COLLATE_S` plus :data:`MAX_SAMPLE_S` per sample for a
+  window (transform and collate; an upper bound, since a worker that just woke runs slower than
+  the loop does warm).
+* Only while the source is paced: the loop spent at least :data:`MIN_IDLE` of the last window's
+  filling waiting for samples. An unpaced source keeps the workers busy in parallel instead.
+* The lane times itself too: once its transform takes more than :data:`MAX_SAMPLE_S` per sample,
+  or its collate more than :data:`MAX_COLLATE_S` (moving averages, from its third window on),
+  later windows of the epoch go back to the workers (the one at hand finishes on the loop: a
+  transform never runs twice).
+* With worker processes, only with ``transform_in="auto"``: a crash in a transform run on the
+  loop is the loader's own process's, not a replaceable worker's.
+* Not with ``seeding="batch"`` (a window's transform runs under its batch's seed, in a worker),
+  a ``worker_init_fn`` (it may prepare what the transform reads through ``get_worker_info()``)
+  or an executor other than worker processes (threads and Ray actors keep every window).
+
+What a transform sees on the lane: with worker processes, ``get_worker_info()`` is a
+``WorkerInfo`` like that of the worker the window was assigned to (``id``, ``num_workers``,
+``seed = base_seed + id``, the lane's stand-in dataset), and ``random``, torch's and numpy's
+global generators are swapped for the lane's own for that id, for each step: the main program's
+random streams are never drawn from. They are seeded from ``base_seed + num_workers + id``, not
+from the worker's seed: the worker's own generators already draw that stream, and a sample
+transformed on the lane must not repeat a worker's draws. With ``num_workers=0``, as in torch's
+main process: ``get_worker_info()`` is None and the global generators are the program's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data._utils import worker as torch_worker
+
+from . import _threadworkers, _worker
+from ._backend import Direct
+from ._records import Plan
+from ._worker import Samples
+
+__all__ = ("MAX_COLLATE_S", "MAX_SAMPLE_S", "MIN_IDLE", "STEP_S", "LaneSide", "LoopLane")
+
+#: Most time per sample's transform for a window on the loop (a few fit in one step).
+MAX_SAMPLE_S = 250e-6
+#: Most time for collating one window on the loop.
+MAX_COLLATE_S = 0.001
+#: Longest the lane transforms before it lets the loop run other callbacks.
+STEP_S = 0.0005
+#: Share of a window's filling the loop must have spent waiting for the source (it is paced).
+MIN_IDLE = 0.25
+
+_NO_INFO = object()
+
+
+class LaneSide(Protocol):
+    """What the lane uses of its epoch."""
+
+    plan: Plan
+    epoch_no: int
+    base_seed: int
+    #: Worker-measured (seconds, samples) of a stream window, averaged (None until one came).
+    window_cost: tuple[float, float] | None
+
+
+def _average(last: float | None, value: float) -> float:
+    return value if last is None else 0.75 * last + 0.25 * value
+
+
+class _Generators:
+    """A stand-in worker's own ``random``, torch and numpy generator states."""
+
+    def __init__(self, base_seed: int, worker_id: int) -> None:
+        seed = base_seed + worker_id  # the caller passes an id past the workers' (see above)
+        self.py = random.Random(seed).getstate()
+        self.torch = torch.Generator().manual_seed(seed).get_state()
+        self.np: Any = None
+        np = sys.modules.get("numpy")  # a worker seeds numpy only where it is imported, too
+        if np is not None:
+            state = torch_worker._generate_state(base_seed, worker_id)  # type: ignore[no-untyped-call]
+            self.np = np.random.RandomState(state).get_state()
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """Make these the global generators for the block; the program's come back after."""
+        np = sys.modules.get("numpy") if self.np is not None else None
+        saved = random.getstate(), torch.get_rng_state(), np.random.get_state() if np else None
+        random.setstate(self.py)
+        torch.set_rng_state(self.torch)
+        if np is not None:
+            np.random.set_state(self.np)
+        try:
+            yield
+        finally:
+            self.py, self.torch = random.getstate(), torch.get_rng_state()
+            random.setstate(saved[0])
+            torch.set_rng_state(saved[1])
+            if np is not None:
+                self.np = np.random.get_state()
+                np.random.set_state(saved[2])
+
+
+class LoopLane:
+    """Transforms and collates windows on the loop; see the module docstring for when."""
+
+    def __init__(self, epoch: LaneSide) -> None:
+        plan = epoch.plan
+        stream = plan.stream
+        assert stream is not None
+        self._epoch = epoch
+        # A stand-in of the workers' own (it keeps samples transformed ahead, per window).
+        self._collator = _worker.SampleCollator(plan.worker_dataset.transform)
+        self._collate_fn = plan.collate_fn
+        self._auto_collation = stream.batch_size is not None
+        self._num_workers = plan.num_workers
+        self._generators: dict[int, _Generators] = {}
+        # With workers, only when asked for: a crash in the transform then takes the loader's
+        # own process, not a worker. Without, everything runs in this process anyway.
+        workers_allow = (
+            stream.transform_in == "auto"
+            and plan.worker_init_fn is None
+            and plan.executor == "process"
+        )
+        self._closed = not ((plan.num_workers == 0 or workers_allow) and plan.seeding == "worker")
+        if plan.num_workers > 0:
+            _threadworkers.install_thread_info()
+        # This window's transform time so far; moving averages of the lane's own measures.
+        self._spent = 0.0
+        self._sample_s: float | None = None
+        self._collate_s: float | None = None
+        #: Windows delivered from the lane (stats, tests).
+        self.windows = 0
+
+    def usable(self, idle: float) -> bool:
+        """Whether the next window runs here: cheap as the workers measured it, and the source
+        paced (``idle``: the share of the last window's filling spent waiting for it)."""
+        cost = self._epoch.window_cost
+        return (
+            not self._closed
+            and idle >= MIN_IDLE
+            and cost is not None
+            and cost[0] <= MAX_COLLATE_S + MAX_SAMPLE_S * cost[1]
+        )
+
+    async def transform(
+        self, send_idx: int, window: Samples, done: int, worker_id: int | None
+    ) -> int:
+        """Transform ``window[done:]`` (window ``send_idx``) ahead of its close, in steps of at
+        most about :data:`STEP_S`; returns how many of its samples are transformed now. An
+        error is kept, and raised in the window's place by :meth:`finish`."""
+        key = (self._epoch.epoch_no, send_idx)
+        # Samples per step from the lane's own measure, else the most a sample may take.
+        per_step = max(1, int(STEP_S / max(self._sample_s or MAX_SAMPLE_S, 1e-7)))
+        while done < len(window):
+            chunk = window[done : done + per_step]
+            with self._as_worker(worker_id):
+                began = time.perf_counter()
+                self._collator.prefeed(key, chunk)
+                self._spent += time.perf_counter() - began
+            done += len(chunk)
+            if done < len(window):
+                await asyncio.sleep(0)  # let the loop run other callbacks between steps
+        return done
+
+    async def finish(self, send_idx: int, window: Samples, done: int, worker_id: int | None) -> Any:
+        """Transform the rest of ``window`` and collate it: the batch (or its error) as a worker's
+        result for ``send_idx``."""
+        done = await self.transform(send_idx, window, done, worker_id)
+        window.ahead = ((self._epoch.epoch_no, send_idx), done)
+        wid = -1 if worker_id is None else worker_id
+        collating = time.perf_counter()
+        data: object
+        try:
+            # The samples transformed ahead are taken from the stand-in (or their error raised).
+            with self._as_worker(worker_id, for_collate=True):
+                batch = self._collator.collate(window, self._collate_fn, self._auto_collation)
+            data = Direct(batch)
+        except BaseException:  # SystemExit from user code too: it belongs to the batch
+            where = (
+                f"in the loader's event loop, standing in for DataLoader worker {wid}, while "
+                f"loading batch send_idx={send_idx}"
+            )
+            data = _worker.RemoteError.capture(where)
+        collate_s = time.perf_counter() - collating
+        busy = self._spent + collate_s
+        # Moving averages, as the workers' measure: one slow window (a collection, a first
+        # call) does not close the lane, a transform that grew dearer does.
+        sample_s = self._spent / max(1, len(window))
+        self._sample_s = _average(self._sample_s, sample_s)
+        self._collate_s = _average(self._collate_s, collate_s)
+        if self.windows >= 2 and (self._sample_s > MAX_SAMPLE_S or self._collate_s > MAX_COLLATE_S):
+            self._closed = True  # dearer than the workers measured: later windows go to them
+        self._spent = 0.0
+        self.windows += 1
+        return _worker.Result(send_idx, self._epoch.epoch_no, wid, os.getpid(), data, busy)
+
+    @contextlib.contextmanager
+    def _as_worker(self, worker_id: int | None, for_collate: bool = False) -> Iterator[None]:
+        """Run user code as worker ``worker_id`` would see itself (see the module docstring)."""
+        if self._num_workers == 0:
+            yield
+            return
+        wid = 0 if worker_id is None else worker_id
+        gens = self._generators.get(wid)
+        if gens is None:
+            gens = self._generators[wid] = _Generators(
+                self._epoch.base_seed, self._num_workers + wid
+            )
+        local = _threadworkers.thread_local()
+        saved = getattr(local, "info", _NO_INFO)
+        # torch's default_collate builds in shared memory whenever it sees worker info: not for
+        # a batch that never leaves this process.
+        local.info = None if for_collate else self._info(wid)
+        try:
+            with gens.current():
+                yield
+        finally:
+            if saved is _NO_INFO:
+                del local.info
+            else:
+                local.info = saved
+
+    def _info(self, wid: int) -> Any:
+        plan = self._epoch.plan
+        return _worker.make_worker_info(
+            id=wid,
+            num_workers=self._num_workers,
+            seed=self._epoch.base_seed + wid,
+            dataset=self._collator,
+            rank=plan.rank,
+            world_size=plan.world_size,
+        )

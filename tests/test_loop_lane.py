@@ -1,0 +1,251 @@
+"""A paced stream's cheap windows are transformed and collated on the loop (``_looplane``):
+with ``transform_in="auto"``, or without worker processes.
+
+The lane's thresholds are measured costs; tests that need the lane to engage whatever the
+machine's load raise them, and tests that need it to stay out use a transform that is dear by
+any measure or a source that never keeps the loader waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import get_worker_info
+
+from aioloader import AsyncDataLoader, _looplane
+from tests import stream_sources as ss
+from tests.conftest import collect
+
+N, BATCH, GAP = 48, 4, 0.002
+
+
+@pytest.fixture
+def lane_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any measured cost qualifies: the lane engages on a paced source even on a busy machine."""
+    monkeypatch.setattr(_looplane, "MAX_SAMPLE_S", 10.0)
+    monkeypatch.setattr(_looplane, "MAX_COLLATE_S", 10.0)
+
+
+class Paced:
+    """``tensor([i])`` for i < n, ``gap`` seconds apart; records each ``ack``."""
+
+    def __init__(self, n: int, gap: float) -> None:
+        self.n = n
+        self.gap = gap
+        self.acked: list[list[int]] = []
+
+    async def __aiter__(self) -> AsyncIterator[torch.Tensor]:
+        for i in range(self.n):
+            await asyncio.sleep(self.gap)
+            yield torch.tensor([i])
+
+    def ack(self, samples: list[torch.Tensor]) -> None:
+        self.acked.append([int(s) for s in samples])
+
+
+def where(sample: torch.Tensor) -> dict[str, Any]:
+    """The process (and whether its main thread), and the worker id and count get_worker_info()
+    gives there (-1: None)."""
+    info = get_worker_info()
+    return {
+        "x": sample,
+        "pid": os.getpid(),
+        "main": threading.current_thread() is threading.main_thread(),
+        "id": -1 if info is None else info.id,
+        "n": -1 if info is None else info.num_workers,
+    }
+
+
+def draws(sample: torch.Tensor) -> dict[str, Any]:
+    """A random augmentation drawing from all three global generators."""
+    return {
+        "x": sample,
+        "pid": os.getpid(),
+        "r": random.random(),
+        "t": torch.rand(()),
+        "np": float(np.random.random()),
+    }
+
+
+def dear(sample: torch.Tensor) -> dict[str, Any]:
+    """2 ms a sample: far above what the lane takes on the loop."""
+    time.sleep(0.002)
+    return {"x": sample, "pid": os.getpid()}
+
+
+def _pids(batches: list[Any]) -> list[int]:
+    pids = []
+    for b in batches:
+        assert len({int(p) for p in b["pid"]}) == 1, "a window is loaded in one place"
+        pids.append(int(b["pid"][0]))
+    return pids
+
+
+def _in_order(batches: list[Any]) -> None:
+    got = [int(v) for b in batches for v in b["x"].flatten()]
+    assert got == list(range(N))
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_a_paced_stream_with_a_cheap_transform_is_loaded_on_the_loop() -> None:
+    src = Paced(N, GAP)
+    async with AsyncDataLoader(
+        src, batch_size=BATCH, num_workers=2, transform=where, transform_in="auto"
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    _in_order(got)
+    pids = _pids(got)
+    here = [k for k, pid in enumerate(pids) if pid == os.getpid()]
+    assert pids[0] != os.getpid(), "the workers measure the first window"
+    assert len(here) >= len(got) // 2, pids
+    for k in here:
+        # The transform sees the worker the window was assigned to, as it would there.
+        assert {int(i) for i in got[k]["id"]} <= {0, 1}
+        assert {int(n) for n in got[k]["n"]} == {2}
+    # Every batch acknowledged once, in order, wherever it was loaded.
+    assert src.acked == [list(range(i, i + BATCH)) for i in range(0, N, BATCH)]
+    # Nothing of the stand-in worker info is left on the loop's thread.
+    assert get_worker_info() is None
+
+
+async def _draw_after_an_epoch(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    """Seed every generator, run an epoch whose transform draws, return the program's next
+    draws and the batches."""
+    if not lane:
+        monkeypatch.setattr(_looplane.LoopLane, "usable", lambda self, idle: False)
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    loader = AsyncDataLoader(
+        Paced(N, GAP), batch_size=BATCH, num_workers=2, transform=draws, transform_in="auto"
+    )
+    async with loader:
+        got: list[Any] = await collect(loader)
+    return random.random(), float(np.random.random()), float(torch.rand(())), got
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_the_lane_leaves_the_programs_random_streams_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    *after_lane, got = await _draw_after_an_epoch(True, monkeypatch)
+    _in_order(got)
+    assert os.getpid() in _pids(got)
+    # The same draws as when every window is loaded in a worker process.
+    *after_workers, got_workers = await _draw_after_an_epoch(False, monkeypatch)
+    assert os.getpid() not in _pids(got_workers)
+    assert after_lane == after_workers
+    # Windows loaded as the same worker never repeat values: each id's generators go on from
+    # where its last window left them.
+    values = [float(v) for b in got for v in b["r"]]
+    assert len(set(values)) == len(values)
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_an_error_on_the_lane_is_raised_at_its_batch() -> None:
+    async with AsyncDataLoader(
+        Paced(N, GAP),
+        batch_size=BATCH,
+        num_workers=2,
+        transform=ss.FailAt(30, ValueError("bad 30")),
+        transform_in="auto",
+    ) as loader:
+        it = aiter(loader)
+        got: list[Any] = []
+        async with asyncio.timeout(30):
+            for _ in range(30 // BATCH):
+                got.append(await anext(it))
+            with pytest.raises(ValueError, match="bad 30"):
+                await anext(it)
+            rest = [b async for b in it]
+    assert [int(v) for b in got for v in b.flatten()] == list(range(28))
+    assert [int(v) for b in rest for v in b.flatten()] == list(range(32, N))
+
+
+async def test_a_dear_transform_stays_in_the_workers() -> None:
+    async with AsyncDataLoader(
+        Paced(24, GAP), batch_size=BATCH, num_workers=2, transform=dear, transform_in="auto"
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    assert os.getpid() not in _pids(got)
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_an_unpaced_source_stays_in_the_workers() -> None:
+    async with AsyncDataLoader(
+        ss.Counting(N), batch_size=BATCH, num_workers=2, transform=where, transform_in="auto"
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    _in_order(got)
+    assert os.getpid() not in _pids(got)
+
+
+@pytest.mark.usefixtures("lane_open")
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {},  # transform_in="workers", the default: a crash in the transform stays a worker's
+        {"seeding": "batch", "transform_in": "auto"},
+        {"worker_init_fn": abs, "transform_in": "auto"},
+    ],
+)
+async def test_settings_that_need_the_worker_keep_every_window_there(
+    setting: dict[str, Any],
+) -> None:
+    async with AsyncDataLoader(
+        Paced(N, GAP), batch_size=BATCH, num_workers=2, transform=where, **setting
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    _in_order(got)
+    assert os.getpid() not in _pids(got)
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_thread_workers_keep_every_window() -> None:
+    async with AsyncDataLoader(
+        Paced(N, GAP),
+        batch_size=BATCH,
+        num_workers=2,
+        transform=where,
+        transform_in="auto",
+        executor="thread",
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    _in_order(got)
+    assert not any(bool(m) for b in got for m in b["main"])
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_without_workers_the_lane_is_the_main_process() -> None:
+    random.seed(3)
+    async with AsyncDataLoader(
+        Paced(N, GAP), batch_size=BATCH, num_workers=0, transform=where
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    _in_order(got)
+    # As torch's main process: no worker info, wherever the window was loaded.
+    assert {int(i) for b in got for i in b["id"]} == {-1}
+    # Loaded on the loop's thread (not the loading thread) once the first windows were timed.
+    assert any(bool(m) for b in got for m in b["main"])
+
+
+@pytest.mark.parametrize(
+    ("dataset", "value", "message"),
+    [
+        (Paced(4, 0.0), "loop", "transform_in should be 'workers'"),
+        (ss.AsyncMap(4), "auto", "applies to async iterable sources"),
+        (ss.SyncRange(4), "auto", "applies to async iterable sources"),
+    ],
+)
+def test_transform_in_names_what_it_takes(dataset: Any, value: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AsyncDataLoader(dataset, batch_size=2, num_workers=2, transform_in=value)  # type: ignore[arg-type]
