@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from aioloader.benchmark import backends, remote
+from aioloader.benchmark import backends, remote, stream
 from aioloader.benchmark._harness import (
     AIO,
     AIO_OPTIONS,
@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 loads[name] = load
                 progress(f"{name}: {load.describe()}")
     # Workloads that compare more loaders (the executors, the machine's limit) add columns.
-    columns = (*backends.COLUMNS, *remote.COLUMNS, LIMIT)
+    columns = (*backends.COLUMNS, *remote.COLUMNS, *stream.COLUMNS, LIMIT)
     extra = [c for c in columns if any(c in r.rounds for r in rows)]
     loaders = loaders + extra
     table = format_table(rows, loaders)

@@ -6,6 +6,9 @@ from an event's production to the consumer receiving the batch that holds it.
 
 * aioloader: the async source is the loader's dataset, batches close at ``batch_size`` or
   ``max_batch_latency`` after their first event; ``transform`` and collation run in the workers.
+* ``aio-auto`` (paced rates, with workers): the same with ``transform_in="auto"``: while the
+  source keeps the loader waiting, windows whose transform is cheap are transformed and collated
+  on the loader's event loop, with no process hop.
 * torch, the nearest equivalent: an ``IterableDataset`` over the same async source, run on its
   own event loop in a bridge thread that hands events over through a queue; ``num_workers=0``
   (a worker process per consumer would each read the stream); batches close by size only.
@@ -30,7 +33,11 @@ from aioloader.benchmark._harness import Config, Row, aio_class, plan, ratio_che
 from aioloader.benchmark._limit import LIMIT, bare_round_trip
 from aioloader.benchmark.tiny import fraction_of_limit
 
-__all__ = ("PacedSource", "bench_stream", "measure_stream")
+__all__ = ("COLUMNS", "PacedSource", "bench_stream", "measure_stream")
+
+AIO_AUTO = "aio-auto"
+#: Table columns this workload adds beside torch and aioloader.
+COLUMNS = (AIO_AUTO,)
 
 FEATURES = 16
 
@@ -130,7 +137,13 @@ def _latencies_torch(
 
 
 async def _latencies_aio(
-    n: int, rate: float | None, batch_size: int, latency_s: float, workers: int, warmup: int
+    n: int,
+    rate: float | None,
+    batch_size: int,
+    latency_s: float,
+    workers: int,
+    warmup: int,
+    transform_in: str = "workers",
 ) -> tuple[list[float], float]:
     lat: list[float] = []
     loader: AsyncDataLoader[Any]
@@ -140,6 +153,7 @@ async def _latencies_aio(
         num_workers=workers,
         max_batch_latency=latency_s,
         transform=to_sample,
+        transform_in=transform_in,
     ) as loader:
         start = time.perf_counter()
         async for batch in loader:
@@ -169,17 +183,20 @@ def measure_stream(
     def add(metric: str, name: str, value: float) -> None:
         out.setdefault(metric, {"torch": [], "aioloader": []}).setdefault(name, []).append(value)
 
+    names = ("torch", "aioloader", AIO_AUTO) if workers else ("torch", "aioloader")
+
     for r in range(rounds):
         for rate in rates:
             # The first 0.2 s warm up (a worker's first batch), and are not counted.
             warmup = int(rate * 0.2)
             n = min(max_events, warmup + max(batch_size * 2, int(rate * seconds)))
-            for name in ("torch", "aioloader"):
+            for name in names:
                 if name == "torch":
                     lat, _ = _latencies_torch(n, rate, batch_size, warmup)
                 else:
+                    where = "auto" if name == AIO_AUTO else "workers"
                     lat, _ = asyncio.run(
-                        _latencies_aio(n, rate, batch_size, latency_s, workers, warmup)
+                        _latencies_aio(n, rate, batch_size, latency_s, workers, warmup, where)
                     )
                 add(f"p50 latency ms @{rate:g}/s", name, pct(lat, 0.5) * 1e3)
                 add(f"p99 latency ms @{rate:g}/s", name, pct(lat, 0.99) * 1e3)
@@ -222,6 +239,9 @@ def bench_stream(cfg: Config) -> list[Row]:
     for metric, rounds in measured.items():
         better = "higher" if metric.startswith("events/s") else "lower"
         row = Row("stream", metric, better, dict(rounds), note=note)
+        auto, t = row.median(AIO_AUTO), row.median("torch")
+        if auto is not None and t:
+            row.note = f"{note}; {AIO_AUTO} (transform_in='auto') / torch = {auto / t:.2f}x"
         if metric == "p99 latency ms @100/s":
             ratio_check(row, "<=", 0.1)  # size-or-time windows against size-only batches
         elif metric.endswith("@10000/s"):
