@@ -223,6 +223,7 @@ class Consumer:
         # epoch stamps its own start a moment later: a consumer that only ever waited read a
         # data-stall fraction above 1.
         counters.note_request(t0)
+        counters.waiting_since = t0
         try:
             try:
                 await ep.ensure_started()
@@ -299,6 +300,7 @@ class Consumer:
             raise  # otherwise one batch's error: the epoch goes on, as in torch
         finally:
             counters.wait_s += time.perf_counter() - t0
+            counters.waiting_since = None
         if self._yielded == 0 and ep.started_at is not None:
             counters.ttfb = time.perf_counter() - ep.started_at
         if ep.acks is not None:

@@ -946,7 +946,8 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         if self.worker_nice is not None or pids is None:
             return
         if self._priority is None:
-            self._priority = PriorityMonitor(_running_epochs(weakref.ref(self)))
+            ref = weakref.ref(self)
+            self._priority = PriorityMonitor(_running_epochs(ref), _waited(ref))
         with contextlib.suppress(RuntimeError):  # no running loop: nothing to sample on
             self._priority.watch(pids)
 
@@ -1019,6 +1020,16 @@ class _Host:
 
     def check_loop(self, loop: asyncio.AbstractEventLoop, what: str) -> None:
         self._loader()._check_loop(loop, what)
+
+
+def _waited(ref: weakref.ref[AsyncDataLoader[Any]]) -> Callable[[], float]:
+    """Seconds the consumer of the loader behind ``ref`` has waited for data (weakly)."""
+
+    def waited() -> float:
+        loader = ref()
+        return loader._counters.waited() if loader is not None else 0.0
+
+    return waited
 
 
 def _running_epochs(ref: weakref.ref[AsyncDataLoader[Any]]) -> Callable[[], bool]:

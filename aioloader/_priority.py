@@ -15,11 +15,20 @@ and decides:
   running then).
 * **What it decides** (:class:`NicePolicy`, window by window of :data:`WINDOW` samples): workers
   start at nice 0. A window whose lateness exceeds :data:`BOUND_S` in more than 2% of its
-  samples, while no other task competes, lowers them to :data:`LOW_NICE`: the contention is the
-  loader's own, and lowering its workers cures it (as soon as that many samples are late, where
-  it can be undone). A window in which other tasks compete (a mean
-  of :data:`SHARED_RUNNABLE` or more) raises them back to nice 0: the machine is shared, the
-  workers need their share, and lowering them would not bring the lateness within its bound.
+  samples, while no other task competes, lowers them: the contention is the loader's own, and
+  lowering its workers cures it (as soon as that many samples are late, where it can be undone).
+  Lowered means ``SCHED_IDLE`` where the policy may raise them again (Linux): a worker then runs
+  only on a core nothing else wants, so it never delays the loop's thread by a scheduler tick,
+  which a niceness only makes less likely; elsewhere nice :data:`LOW_NICE`. A window in which
+  other tasks compete (a mean of :data:`SHARED_RUNNABLE` or more) raises them back to nice 0:
+  the machine is shared, the workers need their share, and lowering them would not bring the
+  lateness within its bound.
+* **The guard on idle workers.** ``SCHED_IDLE`` workers give way to every task, this process's
+  own threads included (a training step on threads counts as "ours", not as competition, above).
+  A window in which the consumer waited for data more than :data:`STARVED` of the time while
+  the idle workers waited for a CPU more than :data:`QUEUED` of it (their run-queue wait, from
+  ``/proc/<pid>/schedstat``) moves them to nice :data:`LOW_NICE` for the rest of the policy's
+  life. A consumer that waits on a slow dataset alone does not: its workers get the cores.
 * **What it may do.** Lowering a priority is always allowed; raising it back needs
   ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` of 20 or more. Without either, workers go down only
   (after two such windows in a row, not one) and stay there until they are replaced; new workers
@@ -40,7 +49,17 @@ import threading
 import weakref
 from collections.abc import Callable
 
-__all__ = ("BOUND_S", "LOW_NICE", "PERIOD_S", "WINDOW", "NicePolicy", "PriorityMonitor")
+__all__ = (
+    "BOUND_S",
+    "IDLE",
+    "LOW_NICE",
+    "PERIOD_S",
+    "QUEUED",
+    "STARVED",
+    "WINDOW",
+    "NicePolicy",
+    "PriorityMonitor",
+)
 
 #: How often the loop's lateness is sampled.
 PERIOD_S = 0.01
@@ -62,6 +81,15 @@ LOW_NICE = 5
 
 #: Other runnable tasks, on average over a window, from which the machine counts as shared.
 SHARED_RUNNABLE = 0.5
+
+#: The level that stands for ``SCHED_IDLE`` (above every niceness: the lowest priority).
+IDLE = 20
+
+#: Share of a window the consumer may wait for data while the workers are idle...
+STARVED = 0.2
+
+#: ...if the idle workers also waited this share of it for a CPU, they are starved.
+QUEUED = 0.5
 
 
 class NicePolicy:
@@ -92,11 +120,20 @@ class NicePolicy:
         self._late = 0
         self._others = 0.0
         self._others_n = 0
+        self._stalled = 0.0
+        self._queued = 0.0
         self._strikes = 0  # over windows in a row at level 0 with the machine not shared
 
-    def observe(self, lateness_s: float, others: float | None = None) -> int | None:
-        """One sample: the loop's lateness, and how many other tasks were runnable (None:
-        unknown). Returns the new niceness when this sample completes a window that changes it
+    def observe(
+        self,
+        lateness_s: float,
+        others: float | None = None,
+        stalled: float = 0.0,
+        queued: float = 0.0,
+    ) -> int | None:
+        """One sample: the loop's lateness, how many other tasks were runnable (None: unknown),
+        and the shares of the sample's time the consumer waited for data and the workers waited
+        for a CPU. Returns the new level when this sample completes a window that changes it
         (a window ends after ``window`` samples, or earlier to lower the workers, see below)."""
         self._n += 1
         if lateness_s > self.bound_s:
@@ -104,6 +141,8 @@ class NicePolicy:
         if others is not None:
             self._others += others
             self._others_n += 1
+        self._stalled += stalled
+        self._queued += queued
         if self._n < self.window:
             # A window is over as soon as enough of its samples are late: where the lowering can
             # be undone, it need not wait for the window's end (a short-lived loader's first
@@ -122,8 +161,15 @@ class NicePolicy:
             return None
         over = self._late > self.over_samples
         shared = self._others_n > 0 and self._others / self._others_n >= self.shared
+        starved = self._stalled / self._n > STARVED and self._queued / self._n > QUEUED
         self._n = self._late = self._others_n = 0
-        self._others = 0.0
+        self._others = self._stalled = self._queued = 0.0
+        if self.level == IDLE and starved:
+            # Something of this process keeps the cores busy and the idle workers get none of
+            # them: they go back to a niceness, and idle is not tried again.
+            self.low = min(self.low, LOW_NICE)
+            self.level = LOW_NICE
+            return self.level
         return self._decide(over, shared)
 
     def _decide(self, over: bool, shared: bool) -> int | None:
@@ -191,10 +237,18 @@ class PriorityMonitor:
     """Samples the loop's lateness while an epoch runs and renices the workers as
     :class:`NicePolicy` decides. Runs in: the loop (``watch``/``pause`` too)."""
 
-    def __init__(self, active: Callable[[], bool]) -> None:
-        """``active()``: whether an epoch runs (sampling stops by itself when none does)."""
-        self.policy = NicePolicy(can_raise=may_raise_priority(), level=start_level())
+    def __init__(
+        self, active: Callable[[], bool], waited: Callable[[], float] | None = None
+    ) -> None:
+        """``active()``: whether an epoch runs (sampling stops by itself when none does);
+        ``waited()``: seconds the consumer has waited for data so far (the idle guard)."""
+        can_raise = may_raise_priority()
+        # SCHED_IDLE only where the guard can take it back (see the module docstring).
+        low = IDLE if can_raise and hasattr(os, "SCHED_IDLE") else LOW_NICE
+        self.policy = NicePolicy(can_raise=can_raise, level=min(start_level(), low), low=low)
         self._active = active
+        self._waited = waited
+        self._waited_s = 0.0
         # Each pool's pids() (weakly: a pool shut down and dropped leaves by itself); overlapping
         # epochs with pools of their own all get the decided niceness.
         self._pools: list[Callable[[], Callable[[], list[int]] | None]] = []
@@ -205,6 +259,9 @@ class PriorityMonitor:
         self._sched_fd = -1
         self._load_fd = -1
         self._stat_fds: dict[int, int] = {}  # worker pid -> its /proc stat file
+        self._queue_fds: dict[int, int] = {}  # idle worker pid -> its /proc schedstat file
+        self._queued_ns: dict[int, int] = {}  # ... and its run-queue wait at the last sample
+        self._last_tick = 0.0
         self._thread_fds: dict[int, int] = {}  # this process's other threads, likewise
         self._loop_tid = 0
         self._wait_ns = 0
@@ -237,7 +294,9 @@ class PriorityMonitor:
             self._load_fd = os.open("/proc/loadavg", os.O_RDONLY)
         self._loop_tid = threading.get_native_id()
         self._find_threads()
-        self._due = loop.time() + PERIOD_S
+        self._last_tick = loop.time()
+        self._due = self._last_tick + PERIOD_S
+        self._waited_s = self._waited() if self._waited is not None else 0.0
         self._handle = loop.call_at(self._due, self._tick)
 
     def pause(self) -> None:
@@ -260,6 +319,7 @@ class PriorityMonitor:
             self._sched_fd,
             self._load_fd,
             *self._stat_fds.values(),
+            *self._queue_fds.values(),
             *self._thread_fds.values(),
         ):
             if fd >= 0:
@@ -267,6 +327,8 @@ class PriorityMonitor:
                     os.close(fd)
         self._sched_fd = self._load_fd = -1
         self._stat_fds.clear()
+        self._queue_fds.clear()
+        self._queued_ns.clear()
         self._thread_fds.clear()
 
     def _tick(self) -> None:
@@ -281,7 +343,18 @@ class PriorityMonitor:
             wait_ns = self._read_wait()
             lateness = min(lateness, (wait_ns - self._wait_ns) / 1e9)
             self._wait_ns = wait_ns
-        changed = self.policy.observe(lateness, self._others())
+        stalled = queued = 0.0
+        elapsed = now - self._last_tick
+        self._last_tick = now
+        if self._waited is not None:
+            waited = self._waited()
+            stalled = min(1.0, max(0.0, (waited - self._waited_s) / max(elapsed, PERIOD_S)))
+            self._waited_s = waited
+        if self.policy.level == IDLE:
+            queued = self._queued(max(elapsed, PERIOD_S))
+        else:
+            self._queued_ns.clear()  # from the first idle sample again, if they go idle later
+        changed = self.policy.observe(lateness, self._others(), stalled, queued)
         if changed is not None:
             global _last_level
             if self.policy.can_raise:
@@ -293,6 +366,24 @@ class PriorityMonitor:
             self._find_threads()
         self._due = now + PERIOD_S
         self._handle = loop.call_at(self._due, self._tick)
+
+    def _queued(self, elapsed: float) -> float:
+        """The idle workers' mean share of the last ``elapsed`` seconds spent waiting for a CPU
+        (0 for a worker seen for the first time)."""
+        shares = []
+        for pid in self._applied:
+            try:
+                fd = self._queue_fds.get(pid)
+                if fd is None:
+                    fd = self._queue_fds[pid] = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY)
+                wait_ns = int(os.pread(fd, 128, 0).split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            last = self._queued_ns.get(pid)
+            self._queued_ns[pid] = wait_ns
+            if last is not None:
+                shares.append(min(1.0, (wait_ns - last) / 1e9 / elapsed))
+        return sum(shares) / len(shares) if shares else 0.0
 
     def _read_wait(self) -> int:
         try:
@@ -356,15 +447,23 @@ class PriorityMonitor:
         level = self.policy.level
         for gone in set(self._applied) - set(pids):
             del self._applied[gone]
-            fd = self._stat_fds.pop(gone, None)
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            self._queued_ns.pop(gone, None)
+            for fds in (self._stat_fds, self._queue_fds):
+                fd = fds.pop(gone, None)
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
         for pid in pids:
-            if self._applied.get(pid) == level:
+            was = self._applied.get(pid)
+            if was == level:
                 continue
             try:
-                os.setpriority(os.PRIO_PROCESS, pid, min(19, base + level))
+                if level == IDLE:
+                    os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+                else:
+                    if was == IDLE:
+                        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+                    os.setpriority(os.PRIO_PROCESS, pid, min(19, base + level))
             except PermissionError:
                 # Raising it back is not allowed after all: stay lowered from now on.
                 self.policy.can_raise = False

@@ -9,6 +9,7 @@ the loader, so a setter called while an epoch runs reaches the next epoch, not t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -152,7 +153,16 @@ class Plan:
 class Counters:
     """The loader's lifetime counters (``stats()``), added to by its epochs."""
 
-    __slots__ = ("batches", "busy_s", "first_request", "restarts", "samples", "ttfb", "wait_s")
+    __slots__ = (
+        "batches",
+        "busy_s",
+        "first_request",
+        "restarts",
+        "samples",
+        "ttfb",
+        "wait_s",
+        "waiting_since",
+    )
 
     def __init__(self) -> None:
         self.batches = 0
@@ -162,6 +172,14 @@ class Counters:
         self.restarts = 0
         self.ttfb: float | None = None
         self.first_request: float | None = None
+        #: When the consumer's wait for its current batch began (perf_counter); None: not
+        #: waiting now.
+        self.waiting_since: float | None = None
+
+    def waited(self) -> float:
+        """Seconds the consumer has waited for data, its wait in progress included."""
+        since = self.waiting_since
+        return self.wait_s + (time.perf_counter() - since if since is not None else 0.0)
 
     def note_request(self, now: float) -> None:
         """The first batch request of the loader's life (the start of the consumer's first

@@ -93,6 +93,39 @@ def test_unknown_competition_leaves_lateness_to_decide() -> None:
     assert feed(policy, window(0, policy) * 3, others=None) == []
 
 
+def test_where_it_can_be_undone_lowered_means_idle() -> None:
+    policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+    assert feed(policy, window(policy.window, policy)) == [_priority.IDLE]
+    # Shared: back to torch's priority; quiet and late again: idle again.
+    assert feed(policy, window(0, policy), others=1.5) == [0]
+    assert feed(policy, window(policy.window, policy)) == [_priority.IDLE]
+
+
+def idle_window(policy: NicePolicy, stalled: float, queued: float) -> list[int]:
+    """The levels over one prompt window, quiet, with these stall and run-queue shares."""
+    return [
+        lvl
+        for _ in range(policy.window)
+        if (lvl := policy.observe(PROMPT, 0.0, stalled, queued)) is not None
+    ]
+
+
+def test_idle_workers_starved_by_this_process_go_back_to_a_niceness_for_good() -> None:
+    policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+    assert feed(policy, window(policy.window, policy)) == [_priority.IDLE]
+    # The consumer waits on a slow dataset, the workers get the cores: nothing changes.
+    assert idle_window(policy, stalled=1.0, queued=0.1) == []
+    # Workers waiting for a CPU while nothing waits for them: nothing changes either.
+    assert idle_window(policy, stalled=0.0, queued=1.0) == []
+    # Both: the cores go to something of this process (a training step on threads) and the
+    # consumer starves. A niceness, and idle is not tried again.
+    assert idle_window(policy, stalled=0.5, queued=0.9) == [_priority.LOW_NICE]
+    assert feed(policy, window(policy.window, policy) * 3) == []
+    assert policy.level == _priority.LOW_NICE
+    assert feed(policy, window(0, policy), others=1.5) == [0]
+    assert feed(policy, window(policy.window, policy)) == [_priority.LOW_NICE]
+
+
 @pytest.fixture
 def child() -> Iterator[int]:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -121,6 +154,15 @@ async def test_the_monitor_renices_workers_as_the_policy_decides(
         monitor.policy.level = 0
         monitor._apply()
         assert os.getpriority(os.PRIO_PROCESS, child) == base
+        if hasattr(os, "SCHED_IDLE"):
+            monitor.policy.level = _priority.IDLE
+            monitor._apply()
+            assert os.sched_getscheduler(child) == os.SCHED_IDLE
+            assert monitor._queued(0.01) == 0.0  # its first run-queue reading
+            monitor.policy.level = _priority.LOW_NICE
+            monitor._apply()
+            assert os.sched_getscheduler(child) == os.SCHED_OTHER
+            assert os.getpriority(os.PRIO_PROCESS, child) == min(19, base + _priority.LOW_NICE)
     finally:
         monitor.pause()
     assert not monitor.running
@@ -154,6 +196,7 @@ async def test_a_refused_raise_leaves_the_workers_lowered(
         monitor.pause()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 async def test_injected_lateness_lowers_a_loaders_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole path: samples the monitor takes (injected here) reach the workers' niceness."""
 
@@ -163,7 +206,7 @@ async def test_injected_lateness_lowers_a_loaders_workers(monkeypatch: pytest.Mo
             import time
 
             time.sleep(0.02)
-            return os.nice(0)
+            return os.sched_getscheduler(0), os.nice(0)
 
     monkeypatch.setattr(_priority, "_last_level", 0)
     monkeypatch.setattr(_priority, "may_raise_priority", lambda: True)
@@ -186,10 +229,12 @@ async def test_injected_lateness_lowers_a_loaders_workers(monkeypatch: pytest.Mo
         got = await collect(loader)
         monitor = loader._priority
         assert monitor is not None and not monitor.running  # stopped with the epoch
-    assert got[0] == base  # started at torch's priority
-    assert got[-1] == min(19, base + _priority.LOW_NICE)  # lowered while the loop was late
-    assert monitor.policy.level == _priority.LOW_NICE
-    assert _priority._last_level == _priority.LOW_NICE  # where the next pool starts
+    assert list(got[0]) == [os.SCHED_OTHER, base]  # started at torch's priority
+    # Lowered while the loop was late: to SCHED_IDLE where it can be undone. The consumer waits
+    # on the dataset's sleeps all along, but the workers never wait for a CPU: not starved.
+    assert list(got[-1]) == [os.SCHED_IDLE, base]
+    assert monitor.policy.level == _priority.IDLE
+    assert _priority._last_level == _priority.IDLE  # where the next pool starts
 
 
 async def test_a_fixed_worker_nice_has_no_monitor() -> None:
