@@ -464,12 +464,12 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
             await epoch.resumed.wait()  # a crash while reading pauses submission here
             if epoch.terminal:
                 return
-            if result is not None:
-                _deliver_local(epoch, send_idx, window, wid, result)
-                send_idx += 1
-            elif window:
-                _submit(epoch, send_idx, window, wid)
-                epoch.window_ahead = None  # in flight now: a crash is blamed on it from there
+            if window:
+                if result is not None:
+                    _deliver_local(epoch, send_idx, window, wid, result)
+                else:
+                    _submit(epoch, send_idx, window, wid)
+                    epoch.window_ahead = None  # in flight now: a crash is blamed on it there
                 send_idx += 1
                 if error is not None:
                     ok, _ = await _permit(epoch)

@@ -231,23 +231,3 @@ def test_the_text_workload_reports_throughput_and_loop_lag(monkeypatch: pytest.M
     assert lag.passed is not None
     # The batches are lists of lists of strings, equal to what the dataset gives.
     assert text.keep_list([["a"]]) == [["a"]]
-
-
-def test_the_stream_workload_times_transform_in_auto_beside_the_default() -> None:
-    from aioloader.benchmark.stream import AIO_AUTO, measure_stream
-
-    out = measure_stream(
-        rates=[2000.0],
-        seconds=0.2,
-        max_events=512,
-        batch_size=16,
-        latency_s=0.01,
-        workers=2,
-        rounds=1,
-        progress=lambda _: None,
-    )
-    p50 = out["p50 latency ms @2000/s"]
-    assert set(p50) == {"torch", "aioloader", AIO_AUTO}
-    assert all(len(v) == 1 and v[0] > 0 for v in p50.values())
-    # The unpaced rows keep their two loaders and the limit: nothing waits there, no lane.
-    assert AIO_AUTO not in out["events/s, unpaced source, aioloader num_workers=2"]

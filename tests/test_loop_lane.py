@@ -249,3 +249,39 @@ async def test_without_workers_the_lane_is_the_main_process() -> None:
 def test_transform_in_names_what_it_takes(dataset: Any, value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AsyncDataLoader(dataset, batch_size=2, num_workers=2, transform_in=value)  # type: ignore[arg-type]
+
+
+class PacedFailing(Paced):
+    """As :class:`Paced`, but the source itself raises instead of yielding sample ``at``."""
+
+    def __init__(self, n: int, gap: float, at: int) -> None:
+        super().__init__(n, gap)
+        self.at = at
+
+    async def __aiter__(self) -> AsyncIterator[torch.Tensor]:
+        async for sample in super().__aiter__():
+            if int(sample) == self.at:
+                raise ValueError(f"source broke at {self.at}")
+            yield sample
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_a_source_error_after_a_lane_window_is_raised_in_its_place() -> None:
+    async with AsyncDataLoader(
+        PacedFailing(N, GAP, 30),
+        batch_size=BATCH,
+        num_workers=2,
+        transform=where,
+        transform_in="auto",
+    ) as loader:
+        it = aiter(loader)
+        got: list[Any] = []
+        async with asyncio.timeout(30):
+            for _ in range(8):
+                got.append(await anext(it))
+            with pytest.raises(ValueError, match="source broke at 30"):
+                await anext(it)
+            with pytest.raises(StopAsyncIteration):
+                await anext(it)
+    assert [int(v) for b in got for v in b["x"].flatten()] == list(range(30))
+    assert os.getpid() in _pids(got)

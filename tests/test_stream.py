@@ -307,9 +307,11 @@ def test_stream_benchmark_measures_both_loaders() -> None:
         "events/s, unpaced source, aioloader num_workers=0",
     }
     for metric, per_loader in got.items():
-        # The unpaced row with workers also has the machine's limit (the bare round trip).
+        # The unpaced row with workers also has the machine's limit (the bare round trip); the
+        # paced rows also time transform_in="auto" (with workers: without, it is the default).
         limit = {"limit"} if metric.endswith("num_workers=1") else set()
-        assert set(per_loader) == {"torch", "aioloader"} | limit
+        auto = {"aio-auto"} if metric.startswith("p") else set()
+        assert set(per_loader) == {"torch", "aioloader"} | limit | auto
         assert all(len(v) == 1 and v[0] > 0 for v in per_loader.values())
 
 
