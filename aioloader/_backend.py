@@ -98,7 +98,7 @@ class Launcher(Protocol):
 class Direct:
     """A batch loaded in this process, or received from a worker and rebuilt here. ``value`` is
     the batch itself; ``buffers`` the pool buffers it holds (see
-    :func:`~aioloader._transport.delivered`)."""
+    :func:`~aioloader._buffers.delivered`)."""
 
     __slots__ = ("buffers", "value")
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch._utils import ExceptionWrapper
 
-from . import _transport, _worker
+from . import _buffers, _worker
 from ._backend import Direct
 from ._device import DeviceStage
 from ._errors import AioLoaderError, EpochEndedError, LoaderTimeoutError, WorkerCrashedError
@@ -466,7 +466,7 @@ class Consumer:
             value = data.value
             if data.buffers:
                 # The pool tells a consumer that keeps batches from waits it would not cure.
-                _transport.delivered(data.buffers)
+                _buffers.delivered(data.buffers)
         elif isinstance(data, _worker.RemoteError):
             self._raised.add(data)
             raise_remote(data)

@@ -40,7 +40,7 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import connection as mp_connection
 from typing import Any
 
-from . import _transport, _worker
+from . import _buffers, _codec, _worker
 from ._backend import Backend, Direct
 from ._consumer import Consumer
 from ._errors import EpochEndedError, LoaderTimeoutError, emfile_error
@@ -454,7 +454,7 @@ class Epoch:
             # Runs in: the loop (a pinned worker's lane, see _procpool.Lane), or the thread that
             # completed the future (an executor's manager thread, a crash, Ray or thread workers).
             # Unpickled where it arrives: a batch's descriptors are waiting on its worker's
-            # channel already (see _transport.FdChannel), so this does not wait for the worker.
+            # channel already (see _channel.FdChannel), so this does not wait for the worker.
             # A batch of many Python objects comes in pieces, rebuilt on the loop a bounded
             # step at a time (a thread would hold the GIL, and so the loop, throughout).
             received = receive(f, stepwise=True)
@@ -480,7 +480,7 @@ class Epoch:
         if self.terminal or gen != self.generation:
             rebuild.close()  # ended, or resubmitted to replacement workers
             return
-        received = rebuild.step(_transport.DECODE_STEP_S)
+        received = rebuild.step(_codec.DECODE_STEP_S)
         if received is None:
             with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
                 # Behind every callback ready now: a service's requests run between the steps.
@@ -599,19 +599,19 @@ def receive(fut: Future[Any], stepwise: bool = False) -> Any:
     if not isinstance(res.data, bytes):
         return res
     rebuild = Rebuild(res)
-    if stepwise and _transport.in_pieces(res.data):
+    if stepwise and _codec.in_pieces(res.data):
         return rebuild
     return rebuild.step()
 
 
 class Rebuild:
     """A finished task's batch being rebuilt, a step at a time (see
-    :class:`~aioloader._transport.PieceDecoder`). Runs in: one thread at a time."""
+    :class:`~aioloader._codec.PieceDecoder`). Runs in: one thread at a time."""
 
     def __init__(self, res: _worker.Result) -> None:
         self.res = res
-        self.buffers: list[tuple[_transport.BufferPool, int]] = []
-        self.decoder: _transport.PieceDecoder | None = None
+        self.buffers: list[tuple[_buffers.BufferPool, int]] = []
+        self.decoder: _codec.PieceDecoder | None = None
 
     def close(self) -> None:
         """Give back what an unfinished rebuild holds."""
@@ -625,10 +625,10 @@ class Rebuild:
         assert isinstance(res.data, bytes)
         try:
             if self.decoder is None:
-                if not _transport.in_pieces(res.data):  # one pickle: loaded at once
-                    value = _transport.loads_result(res.data, self.buffers)
+                if not _codec.in_pieces(res.data):  # one pickle: loaded at once
+                    value = _codec.loads_result(res.data, self.buffers)
                     return res._replace(data=Direct(value, tuple(self.buffers)))
-                self.decoder = _transport.PieceDecoder(res.data, self.buffers)
+                self.decoder = _codec.PieceDecoder(res.data, self.buffers)
             if not self.decoder.step(budget):
                 return None
             return res._replace(data=Direct(self.decoder.value, tuple(self.buffers)))

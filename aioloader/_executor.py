@@ -40,7 +40,7 @@ from typing import Any
 with contextlib.suppress(ImportError):  # POSIX only
     import multiprocessing.popen_fork
 
-from . import _transport, _worker
+from . import _buffers, _channel, _worker
 from ._procpool import Executor, close_pipes, kill_executors, release_semaphores
 from ._threads import run_off_loop
 
@@ -208,13 +208,14 @@ class WorkerPool:
             ctypes.c_char, self.num_workers * _worker.START_ERROR_BYTES
         )
         # One per worker id: large tensors' descriptors travel with the results, not through a
-        # connection from the main process to each worker per batch (see _transport).
-        # Batch buffers any worker can reuse once the consumer drops a batch (see _transport).
-        self._buffers = _transport.BufferPool(self.num_workers, ctx.RawArray)
-        self._channels: list[_transport.FdChannel] = []
+        # connection from the main process to each worker per batch (see _channel).
+        # Batch buffers any worker can reuse once the consumer drops a batch (see _buffers).
+        self._buffers = _buffers.BufferPool(self.num_workers, ctx.RawArray)
+        self._channels: list[_channel.FdChannel] = []
         try:
             for wid in range(self.num_workers):
-                self._channels.append(_transport.FdChannel(self._buffers, wid))
+                self._channels.append(_channel.FdChannel(wid))
+                self._buffers.attach(self._channels[-1])
         except BaseException:  # out of descriptors, say: close what was made
             # The pool first: once closed, no finaliser announces a buffer on a channel.
             self._buffers.close()
@@ -731,4 +732,4 @@ class WorkerPool:
                 if p.exitcode is not None and p.exitcode < 0 and p.pid is not None:
                     # Killed by a signal (a crash, or our own SIGKILL): maybe between torch's
                     # creating a shared-memory file and unlinking its name.
-                    _transport.unlink_left_segments(p.pid)
+                    _buffers.unlink_left_segments(p.pid)

@@ -20,7 +20,7 @@ import functools
 import logging
 import os
 
-from . import _transport, _worker
+from . import _payload, _worker
 from ._backend import Backend, ThreadBackend
 from ._executor import WorkerPool
 from ._records import Plan
@@ -55,7 +55,7 @@ def make_spec(plan: Plan, base_seed: int, *, ship: bool = True) -> _worker.Worke
         objects_or_none = None
     elif plan.mp_context.get_start_method() != "fork":
         try:
-            payload = _transport.dump_payload(objects)
+            payload = _payload.dump_payload(objects)
             objects_or_none = None
         except RuntimeError as exc:
             if "through inheritance" not in str(exc):

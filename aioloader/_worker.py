@@ -41,7 +41,7 @@ from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 
-from . import _ahead, _remote, _transport
+from . import _ahead, _buffers, _channel, _codec, _payload, _remote
 
 try:
     # Imported with this module, in the main process, so that forked workers inherit it: every
@@ -79,7 +79,7 @@ class WorkerSpec:
     #: ``"idle"``: the worker runs under ``SCHED_IDLE``.
     nice: int | str
     #: spawn/forkserver: (payload file, shared tensors); fork: None (see ``objects``).
-    payload_file: tuple[_transport.PayloadFile, list[torch.Tensor]] | None
+    payload_file: tuple[_payload.PayloadFile, list[torch.Tensor]] | None
     #: fork only: (dataset, collate_fn, worker_init_fn), inherited through fork without pickling.
     objects: tuple[Any, Any, Any] | None
     #: iterable datasets get one single-worker pool per worker id; map-style workers draw an id.
@@ -257,7 +257,7 @@ class RemoteError(NamedTuple):
 
 
 class Result(NamedTuple):
-    """What a task returns: ``data`` is :func:`~aioloader._transport.dumps_result` bytes, or not."""
+    """What a task returns: ``data`` is :func:`~aioloader._codec.dumps_result` bytes, or not."""
 
     send_idx: int
     #: The epoch the task was submitted for (with persistent workers, tasks of an abandoned epoch
@@ -526,12 +526,12 @@ def _buffer_patience() -> float:
     """How long this worker may wait for a pool buffer now, in seconds.
 
     While another worker loads an earlier batch of the same epoch, the consumer can give a
-    buffer back without this worker's batch: wait up to :data:`~aioloader._transport.
+    buffer back without this worker's batch: wait up to :data:`~aioloader._buffers.
     WAIT_FOR_BUFFER_S`. The earliest batch being loaded may be the one the consumer waits for,
-    holding its last batch: it waits only a moment (:data:`~aioloader._transport.
+    holding its last batch: it waits only a moment (:data:`~aioloader._buffers.
     WAIT_FOR_BUFFER_FIRST_S`), then takes a fresh segment.
     """
-    return _transport.WAIT_FOR_BUFFER_S if _behind() else _transport.WAIT_FOR_BUFFER_FIRST_S
+    return _buffers.WAIT_FOR_BUFFER_S if _behind() else _buffers.WAIT_FOR_BUFFER_FIRST_S
 
 
 def _behind() -> bool:
@@ -546,15 +546,15 @@ def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -
 
     Inside a worker torch's ``collate_tensor_fn`` allocates every stacked batch in a fresh
     shared-memory segment. A small batch is copied into the result bytes anyway
-    (:data:`~aioloader._transport.INLINE_TENSOR_BYTES`), so the segment is pure cost; for those
+    (:data:`~aioloader._codec.INLINE_TENSOR_BYTES`), so the segment is pure cost; for those
     torch's function runs as it would outside a worker. Large batches go into one of the pool's
     reused buffers when this worker has one free, else into a fresh segment as torch does (see
-    :func:`~aioloader._transport.collate_into_buffer`).
+    :func:`~aioloader._codec.collate_into_buffer`).
     """
     elem = batch[0]
-    if sum(x.numel() for x in batch) * elem.element_size() >= _transport.INLINE_TENSOR_BYTES:
+    if sum(x.numel() for x in batch) * elem.element_size() >= _codec.INLINE_TENSOR_BYTES:
         if all(x.shape == elem.shape and x.dtype == elem.dtype for x in batch):
-            stacked = _transport.collate_into_buffer(batch)
+            stacked = _codec.collate_into_buffer(batch)
             if stacked is not None:
                 return stacked
         return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
@@ -594,7 +594,7 @@ def _streamable(sample: object) -> bool:
     # would quietly succeed.
     return (
         isinstance(sample, torch.Tensor)
-        and _transport.is_plain_cpu_tensor(sample)
+        and _codec.is_plain_cpu_tensor(sample)
         and not sample.is_nested
         and not sample.is_conj()
         and not sample.is_neg()
@@ -606,7 +606,7 @@ def _stream_tensors(dataset: Any, it: Iterator[Any], first: torch.Tensor, n: int
     # sample (a large batch's build time is mostly these copies: 14 -> 10.4 ms for the
     # benchmark's 38.5 MB batch, the time of a bare loop of the same copies).
     shape, dtype = first.shape, first.dtype
-    batch = _transport.batch_buffer((n, *shape), dtype)
+    batch = _codec.batch_buffer((n, *shape), dtype)
     rows = batch.unbind(0)  # every row's view at once
     rows[0].copy_(first)
     del first
@@ -655,14 +655,14 @@ def fetch_streamed(dataset: Any, indices: list[Any] | tuple[Any, ...]) -> Any:
     if (
         not in_tuple
         and _streamable(first)
-        and n * first.numel() * first.element_size() >= _transport.INLINE_TENSOR_BYTES
+        and n * first.numel() * first.element_size() >= _codec.INLINE_TENSOR_BYTES
     ):
         return _stream_tensors(dataset, it, first, n)
     members = first if in_tuple else (first,)
     # Per member: its batch buffer if it is streamed, else None (kept, collated at the end).
     bufs: list[torch.Tensor | None] = [
-        _transport.batch_buffer((n, *m.shape), m.dtype)
-        if _streamable(m) and n * m.numel() * m.element_size() >= _transport.INLINE_TENSOR_BYTES
+        _codec.batch_buffer((n, *m.shape), m.dtype)
+        if _streamable(m) and n * m.numel() * m.element_size() >= _codec.INLINE_TENSOR_BYTES
         else None
         for m in members
     ]
@@ -769,7 +769,7 @@ def init(
     slots: Any,
     epoch_slots: Any,
     pid_slots: Any,
-    channels: Sequence[_transport.FdChannel] | None = None,
+    channels: Sequence[_channel.FdChannel] | None = None,
     ready_slots: Any = None,
     start_errors: Any = None,
 ) -> None:
@@ -812,17 +812,17 @@ def init(
             id_counter.value += 1
     pid_slots[worker_id] = os.getpid()
     if channels is not None:
-        _transport.set_worker_channel(channels[worker_id])
+        _codec.set_worker_channel(channels[worker_id])
     _state.slots = slots
     _state.epoch_slots = epoch_slots
     if channels is not None and slots is not None:
-        _transport.set_buffer_wait(_buffer_patience, _loading, _behind)
+        _buffers.set_buffer_wait(_buffer_patience, _loading, _behind)
 
     def objects() -> tuple[Any, Any, Any]:
         if spec.objects is not None:
             return spec.objects
         assert spec.payload_file is not None
-        return _transport.load_payload(*spec.payload_file)  # type: ignore[no-any-return]
+        return _payload.load_payload(*spec.payload_file)  # type: ignore[no-any-return]
 
     setup(spec, worker_id, objects, freeze=True)
     if ready_slots is not None:
@@ -971,9 +971,9 @@ def _look_ahead(fn: Any, args: tuple[Any, ...]) -> None:
 
 def fetch(send_idx: int, indices: Any, epoch: int) -> Result:
     """Load and collate one batch (or collate :class:`Samples`). Runs in: a worker process."""
-    # Tagged: large tensors' descriptors go ahead on this worker's channel (see _transport).
+    # Tagged: large tensors' descriptors go ahead on this worker's channel (see _channel).
     return load(
-        send_idx, indices, epoch, lambda batch: _transport.dumps_result(batch, (epoch, send_idx))
+        send_idx, indices, epoch, lambda batch: _codec.dumps_result(batch, (epoch, send_idx))
     )
 
 
@@ -1053,7 +1053,7 @@ def load(send_idx: int, indices: Any, epoch: int, encode: Any) -> Result:
             with contextlib.suppress(Exception):
                 state = capture_state(_state.fetcher, _state.dataset)
     finally:
-        _transport.release_unsent()
+        _codec.release_unsent()
         if slots is not None:
             slots[wid] = -1
     return Result(send_idx, epoch, wid, os.getpid(), data, time.perf_counter() - start, state)

@@ -494,11 +494,13 @@ def pools_on_a_memfd(
 ) -> Iterator[tuple[int, list[Any], list[Any]]]:
     """Two buffer pools of ``num_workers``, a channel of each, and a memfd of ``nbytes`` to
     offer them as batch buffers; all closed at the end."""
-    from aioloader import _transport
+    from aioloader import _buffers, _channel
 
     fd = os.memfd_create("aioloader-test")
-    pools = [_transport.BufferPool(num_workers=num_workers) for _ in range(2)]
-    channels = [_transport.FdChannel(pool, 0) for pool in pools]
+    pools = [_buffers.BufferPool(num_workers=num_workers) for _ in range(2)]
+    channels = [_channel.FdChannel(0) for _ in pools]
+    for pool, channel in zip(pools, channels, strict=True):
+        pool.attach(channel)
     try:
         os.ftruncate(fd, nbytes)
         yield fd, pools, channels
@@ -515,15 +517,17 @@ def playing_worker(pool: bool, num_workers: int = 1) -> Iterator[Any]:
     """This process plays a worker (id 0): results go out on the channel it yields, with a pool
     of reused batch buffers for ``num_workers`` workers if ``pool``; the main side takes them
     from the same channel."""
-    from aioloader import _transport
+    from aioloader import _buffers, _channel, _codec
 
-    buffers = _transport.BufferPool(num_workers) if pool else None
-    ch = _transport.FdChannel(buffers)
-    _transport.set_worker_channel(ch)
+    buffers = _buffers.BufferPool(num_workers) if pool else None
+    ch = _channel.FdChannel()
+    if buffers is not None:
+        buffers.attach(ch)
+    _codec.set_worker_channel(ch)
     try:
         yield ch
     finally:
-        _transport.set_worker_channel(None)
+        _codec.set_worker_channel(None)
         ch.close()
         if buffers is not None:
             buffers.close()

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils import worker as torch_worker
 
-from aioloader import AsyncDataLoader, _transport, _worker
+from aioloader import AsyncDataLoader, _buffers, _channel, _codec, _worker
 from tests import datasets
 
 
@@ -46,13 +46,13 @@ class Recorded:
 @pytest.fixture(params=["fresh segment", "pool buffer"])
 def worker_side(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[_transport.FdChannel | None]:
+) -> Iterator[_channel.FdChannel | None]:
     """This process plays a worker; batches of any size are streamed (no inline threshold).
 
     Inside a worker torch's ``default_collate`` stacks into a contiguous shared-memory tensor
     (outside one it may keep the samples' memory format): the reference is the worker's.
     """
-    monkeypatch.setattr(_transport, "INLINE_TENSOR_BYTES", 0)
+    monkeypatch.setattr(_codec, "INLINE_TENSOR_BYTES", 0)
     monkeypatch.setattr(
         torch_worker,
         "_worker_info",
@@ -105,7 +105,7 @@ def _sample(shape: tuple[int, ...], dtype: torch.dtype, i: int) -> torch.Tensor:
 )
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5, 4)])
 def test_a_streamed_batch_is_bit_identical_to_default_collate(
-    worker_side: _transport.FdChannel | None, shape: tuple[int, ...], dtype: torch.dtype
+    worker_side: _channel.FdChannel | None, shape: tuple[int, ...], dtype: torch.dtype
 ) -> None:
     ds = Recorded(lambda i: _sample(shape, dtype, i))
     indices = [5, 2, 9, 2, 0]
@@ -116,18 +116,18 @@ def test_a_streamed_batch_is_bit_identical_to_default_collate(
     assert got.is_shared()
     if worker_side is None:
         return
-    end = _transport._worker_channel
+    end = _codec._worker_channel
     assert end is not None
     # The pool starts empty: a fresh buffer, which the pool keeps once its batch is dropped...
     assert got.untyped_storage().data_ptr() in end.fresh
-    _transport.loads_result(_transport.dumps_result(got, (0, 0)))
-    _transport.release_unsent()
+    _codec.loads_result(_codec.dumps_result(got, (0, 0)))
+    _codec.release_unsent()
     del got
     # ...and the next batch is built in it, over the old values.
     got = _worker.fetch_streamed(ds, indices)
     assert got.untyped_storage().data_ptr() in end.slot_of
     _assert_identical(got, expected)
-    _transport.release_unsent()
+    _codec.release_unsent()
 
 
 VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -143,7 +143,7 @@ VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 @pytest.mark.parametrize("view", list(VIEWS))
 def test_views_and_lazy_flags_get_default_collates_outcome(
-    worker_side: _transport.FdChannel | None, view: str
+    worker_side: _channel.FdChannel | None, view: str
 ) -> None:
     def make(i: int) -> torch.Tensor:
         return VIEWS[view](torch.arange(48.0).reshape(6, 8) + i)
@@ -160,7 +160,7 @@ def test_views_and_lazy_flags_get_default_collates_outcome(
 
 
 def test_the_worker_holds_at_most_two_samples_at_once(
-    worker_side: _transport.FdChannel | None,
+    worker_side: _channel.FdChannel | None,
 ) -> None:
     ds = Recorded(lambda i: torch.full((64, 64), float(i)))
     got = _worker.fetch_streamed(ds, list(range(32)))
@@ -203,7 +203,7 @@ MISFITS: dict[str, Callable[[int], Any]] = {
 
 @pytest.mark.parametrize("misfit", list(MISFITS))
 def test_a_sample_that_does_not_fit_gets_default_collates_outcome(
-    worker_side: _transport.FdChannel | None, misfit: str
+    worker_side: _channel.FdChannel | None, misfit: str
 ) -> None:
     make = MISFITS[misfit]
     indices = [0, 1, 2, 3, 4]
@@ -247,10 +247,10 @@ TUPLES: dict[str, Callable[[int], Any]] = {
 
 @pytest.mark.parametrize("case", list(TUPLES))
 def test_tuples_stream_their_tensors_and_get_default_collates_outcome(
-    worker_side: _transport.FdChannel | None, case: str, monkeypatch: pytest.MonkeyPatch
+    worker_side: _channel.FdChannel | None, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 2x3 float32 members stream, as would an image; 2-element ones stay below the threshold.
-    monkeypatch.setattr(_transport, "INLINE_TENSOR_BYTES", 5 * 6 * 4)
+    monkeypatch.setattr(_codec, "INLINE_TENSOR_BYTES", 5 * 6 * 4)
     make = TUPLES[case]
     indices = [0, 1, 2, 3, 4]
     ds = Recorded(make)
@@ -270,7 +270,7 @@ def test_tuples_stream_their_tensors_and_get_default_collates_outcome(
 
 
 def test_tuple_members_are_dropped_as_they_are_copied(
-    worker_side: _transport.FdChannel | None,
+    worker_side: _channel.FdChannel | None,
 ) -> None:
     ds = Recorded(lambda i: (torch.full((64, 64), float(i)), i))
     images, labels = _worker.fetch_streamed(ds, list(range(32)))
@@ -280,29 +280,29 @@ def test_tuple_members_are_dropped_as_they_are_copied(
 
 
 def test_an_abandoned_pool_buffer_is_freed_at_the_tasks_end(
-    worker_side: _transport.FdChannel | None,
+    worker_side: _channel.FdChannel | None,
 ) -> None:
     if worker_side is None:
         pytest.skip("pool buffers only")
-    pool = worker_side.pool
+    pool = _buffers.pool_of(worker_side)
     assert pool is not None
     ds = Recorded(MISFITS["another dtype"])
     # The pool's first buffer: a batch of the same size, received and dropped.
     warm = _worker.fetch_streamed(ds, [0, 1, 2, 4, 5])
-    received = _transport.loads_result(_transport.dumps_result(warm, (0, 0)))
-    _transport.release_unsent()
+    received = _codec.loads_result(_codec.dumps_result(warm, (0, 0)))
+    _codec.release_unsent()
     del warm, received
-    (slot,) = [s for s in range(pool.capacity) if pool.state[s] == _transport._SPARE]
+    (slot,) = [s for s in range(pool.capacity) if pool.state[s] == _buffers._SPARE]
     batch = _worker.fetch_streamed(ds, [0, 1, 2, 3, 4])  # streamed 3 samples, then gave up
     # In a worker default_collate stacks into a tensor of the first sample's dtype.
     assert batch.dtype == torch.float32 and batch[:, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert pool.state[slot] == _transport._BUSY
-    data = _transport.dumps_result(batch, (0, 1))  # sent on the channel, from a fresh segment
-    _transport.release_unsent()  # what load() does after each task
-    assert pool.state[slot] == _transport._SPARE
-    assert torch.equal(_transport.loads_result(data), batch)
-    assert _transport.pool_buffer((5, 2, 3), torch.float32) is not None  # its token is back
-    _transport.release_unsent()
+    assert pool.state[slot] == _buffers._BUSY
+    data = _codec.dumps_result(batch, (0, 1))  # sent on the channel, from a fresh segment
+    _codec.release_unsent()  # what load() does after each task
+    assert pool.state[slot] == _buffers._SPARE
+    assert torch.equal(_codec.loads_result(data), batch)
+    assert _codec.pool_buffer((5, 2, 3), torch.float32) is not None  # its token is back
+    _codec.release_unsent()
 
 
 def test_a_dataset_with_getitems_is_not_streamed() -> None:
@@ -366,10 +366,10 @@ def test_the_pool_budget_keeps_one_buffer_per_worker_and_one_more_for_big_batche
         got = [pools[1].adopt(channels[1], fd, 1 << 20, permitted=True)]
         assert pools[1]._permits == pools[1].capacity - 1
         got += [pools[1].adopt(channels[1], fd, 1 << 20, permitted=True) for _ in range(5)]
-        assert got == [*range(2 * _transport.MAX_SLOTS_PER_WORKER)]
+        assert got == [*range(2 * _buffers.MAX_SLOTS_PER_WORKER)]
         assert pools[1].adopt(channels[1], fd, 1 << 20) == -1  # no room, no permit
         pools[1]._evict(0)  # a permit takes its place
         assert pools[1]._permits == 1
         # Smaller than the pool's buffers: not kept, and its permit comes back with its batch.
-        assert pools[1].adopt(channels[1], fd, 1 << 19, permitted=True) == _transport._PERMIT
+        assert pools[1].adopt(channels[1], fd, 1 << 19, permitted=True) == _buffers._PERMIT
         assert pools[1].adopt(channels[1], fd, 1 << 20, permitted=True) == 0

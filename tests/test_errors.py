@@ -266,7 +266,7 @@ def test_a_killed_workers_left_shared_memory_files_are_unlinked(tmp_path: Path) 
 
 
 def test_only_a_dead_processs_segments_are_unlinked(tmp_path: Path) -> None:
-    from aioloader._transport import unlink_left_segments
+    from aioloader._buffers import unlink_left_segments
 
     for name in ("torch_111_5_0", "torch_111_6_1", "torch_1111_5_0", "torch_22_5_0", "other"):
         (tmp_path / name).write_bytes(b"")

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-from aioloader import AsyncDataLoader, _executor, _transport, _worker
+from aioloader import AsyncDataLoader, _codec, _executor, _payload, _worker
 from aioloader._executor import CrashReport, WorkerPool
 from aioloader._procpool import Executor
 from aioloader._threads import run_off_loop
@@ -116,7 +116,7 @@ def make_spec(
         drop_last=False,
         main_pid=os.getpid(),
         nice=0,
-        payload_file=None if fork else _transport.dump_payload(objects),
+        payload_file=None if fork else _payload.dump_payload(objects),
         objects=objects if fork else None,
         fixed_worker_id=None,
     )
@@ -145,7 +145,7 @@ async def result(fut: Future[Any], limit: float = 30) -> _worker.Result:
 
 def batch_of(res: _worker.Result) -> Any:
     assert isinstance(res.data, bytes), res.data
-    return _transport.loads_result(res.data)
+    return _codec.loads_result(res.data)
 
 
 async def wait_until(cond: Callable[[], bool], limit: float = 30) -> None:

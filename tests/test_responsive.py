@@ -29,7 +29,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from aioloader import AsyncDataLoader, _transport
+from aioloader import AsyncDataLoader, _payload
 from aioloader._sampling import IndexStream, is_empty_batch
 from aioloader._threads import run_off_loop
 from tests import datasets
@@ -467,12 +467,12 @@ def _first(batch: list[int]) -> int:
 def test_payload_round_trips(collate: Callable[[list[int]], int]) -> None:
     """A module-level function travels by plain pickle; a lambda needs the cloudpickle retry."""
     ds = _ListDataset(1000)
-    payload, tensors = _transport.dump_payload((ds, collate, None))
+    payload, tensors = _payload.dump_payload((ds, collate, None))
     # Plain pickle unless something must go by value (its C pickler is faster; cloudpickle's
     # extra reducers would also accept what torch refuses, such as an open file).
     written = os.pread(payload.fd, os.fstat(payload.fd).st_size, 0)
     assert (b"cloudpickle" in written) == (collate is not _first)
-    ds2, collate2, init = _transport.load_payload(payload, tensors)
+    ds2, collate2, init = _payload.load_payload(payload, tensors)
     assert ds2.items == ds.items
     assert collate2([7, 8]) == 7
     assert init is None
@@ -484,7 +484,7 @@ async def test_payload_pickling_lets_the_loop_run() -> None:
     async with _worst_gap() as worst, asyncio.timeout(60):
         start = time.perf_counter()
         payload, _ = await run_off_loop(
-            lambda: _transport.dump_payload((ds, None, None)), name="payload"
+            lambda: _payload.dump_payload((ds, None, None)), name="payload"
         )
         took = time.perf_counter() - start
     payload.close()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from aioloader import AsyncDataLoader, _transport
+from aioloader import AsyncDataLoader, _channel, _codec
 from tests import datasets
 from tests.conftest import collect, torch_batches
 
@@ -63,8 +63,8 @@ def _count(obj: Any) -> int:
 
 def _pieces(data: bytes) -> list[Any]:
     """The pieces of a result in pieces, as one unpickler loads them (the skeleton last)."""
-    assert _transport.in_pieces(data)
-    header = _transport._PIECES_HEADER
+    assert _codec.in_pieces(data)
+    header = _codec._PIECES_HEADER
     _, loads = header.unpack_from(data)
     unpickler = pickle.Unpickler(io.BytesIO(data[header.size :]))
     return [unpickler.load() for _ in range(loads)]
@@ -76,17 +76,17 @@ def _text_batch(n: int = 32, strings: int = 2000) -> list[list[str]]:
 
 
 @pytest.fixture
-def channel() -> Iterator[_transport.FdChannel]:
+def channel() -> Iterator[_channel.FdChannel]:
     with datasets.playing_worker(pool=False) as ch:
         yield ch
 
 
 def test_an_object_batch_travels_in_pieces_of_bounded_size() -> None:
     batch = _text_batch()
-    data = _transport.dumps_result(batch)
+    data = _codec.dumps_result(batch)
     pieces = _pieces(data)
     assert len(pieces) > 16  # 64 000 strings: far more than one piece
-    bound = 2 * _transport.PIECE_OBJECTS
+    bound = 2 * _codec.PIECE_OBJECTS
     for piece in pieces[:-1]:
         assert _count(piece) <= bound
     assert pieces[-1] == batch  # the skeleton rebuilds the batch from the pieces
@@ -104,17 +104,17 @@ def test_an_object_batch_travels_in_pieces_of_bounded_size() -> None:
     ids=["tensor", "dict", "list", "tensor-and-labels", "32-strings"],
 )
 def test_tensor_and_small_batches_stay_one_pickle(batch: Any) -> None:
-    data = _transport.dumps_result(batch)
-    assert not _transport.in_pieces(data)
+    data = _codec.dumps_result(batch)
+    assert not _codec.in_pieces(data)
     assert data[:1] == pickle.PROTO
-    decoder = _transport.PieceDecoder(data)
+    decoder = _codec.PieceDecoder(data)
     assert decoder.step(0.0)  # complete in one step
     assert decoder.loads == 1
 
 
 def test_a_step_with_no_time_left_loads_one_piece() -> None:
-    data = _transport.dumps_result(_text_batch())
-    decoder = _transport.PieceDecoder(data)
+    data = _codec.dumps_result(_text_batch())
+    decoder = _codec.PieceDecoder(data)
     steps = 0
     while not decoder.step(0.0):
         steps += 1
@@ -134,7 +134,7 @@ def test_pieces_rebuild_types_order_and_shared_objects() -> None:
         "tagged": datasets.TaggedList(shared),
         "nested": [[[f"{i}-{j}" for j in range(3000)] for i in range(3)]],
     }
-    out = _transport.loads_result(_transport.dumps_result(batch))
+    out = _codec.loads_result(_codec.dumps_result(batch))
     assert out == batch
     assert list(out) == list(batch)
     assert type(out["tuple"]) is tuple and type(out["rows"][0]["ids"]) is tuple
@@ -143,12 +143,12 @@ def test_pieces_rebuild_types_order_and_shared_objects() -> None:
     assert out["pairs"].left is out["pairs"].right
 
 
-def test_shared_memory_tensors_arrive_across_steps(channel: _transport.FdChannel) -> None:
+def test_shared_memory_tensors_arrive_across_steps(channel: _channel.FdChannel) -> None:
     ds = TextAndTensorDataset(8)
     batch = [ds[i] for i in range(8)]
-    decoder = _transport.PieceDecoder(_transport.dumps_result(batch, (0, 3)))
+    decoder = _codec.PieceDecoder(_codec.dumps_result(batch, (0, 3)))
     # Another result rebuilt between two steps of this one (as the loop may).
-    assert _transport.loads_result(_transport.dumps_result([torch.ones(300, 300)], (0, 4)))
+    assert _codec.loads_result(_codec.dumps_result([torch.ones(300, 300)], (0, 4)))
     while not decoder.step(0.0):
         pass
     out = decoder.value
@@ -158,9 +158,9 @@ def test_shared_memory_tensors_arrive_across_steps(channel: _transport.FdChannel
         assert torch.equal(got["emb"], want["emb"]) and got["emb"].is_shared()
 
 
-def test_an_unfinished_rebuild_gives_back_its_descriptors(channel: _transport.FdChannel) -> None:
+def test_an_unfinished_rebuild_gives_back_its_descriptors(channel: _channel.FdChannel) -> None:
     ds = TextAndTensorDataset(8)
-    decoder = _transport.PieceDecoder(_transport.dumps_result([ds[i] for i in range(8)], (0, 5)))
+    decoder = _codec.PieceDecoder(_codec.dumps_result([ds[i] for i in range(8)], (0, 5)))
     while decoder.loads < 2:
         decoder.step(0.0)
     decoder.close()  # the no_leaks fixture checks that no descriptor is left open
@@ -169,16 +169,16 @@ def test_an_unfinished_rebuild_gives_back_its_descriptors(channel: _transport.Fd
 @pytest.fixture
 def one_piece_per_step(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Every step on the loop loads one piece; records each step as ("step", decoder id)."""
-    monkeypatch.setattr(_transport, "DECODE_STEP_S", 0.0)
+    monkeypatch.setattr(_codec, "DECODE_STEP_S", 0.0)
     events: list[tuple[str, int]] = []
-    orig = _transport.PieceDecoder.step
-    serials: dict[_transport.PieceDecoder, int] = {}  # not id(): a freed decoder's is reused
+    orig = _codec.PieceDecoder.step
+    serials: dict[_codec.PieceDecoder, int] = {}  # not id(): a freed decoder's is reused
 
-    def step(self: _transport.PieceDecoder, budget: float = float("inf")) -> bool:
+    def step(self: _codec.PieceDecoder, budget: float = float("inf")) -> bool:
         events.append(("step", serials.setdefault(self, len(serials))))
         return orig(self, budget)
 
-    monkeypatch.setattr(_transport.PieceDecoder, "step", step)
+    monkeypatch.setattr(_codec.PieceDecoder, "step", step)
     return events
 
 

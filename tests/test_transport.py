@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from aioloader import AsyncDataLoader, _transport
+from aioloader import AsyncDataLoader, _buffers, _channel, _codec
 from tests import datasets
 
 BIG = (256, 512)  # 512 KiB of float32: above INLINE_TENSOR_BYTES, so it goes through shm
 
 
 @pytest.fixture
-def channel() -> Iterator[_transport.FdChannel]:
+def channel() -> Iterator[_channel.FdChannel]:
     """This process plays the worker: dumps_result sends on the channel, loads_result takes."""
     with datasets.playing_worker(pool=False) as ch:
         yield ch
@@ -32,22 +32,22 @@ def channel() -> Iterator[_transport.FdChannel]:
 def channel_takes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """The tags of the results whose descriptors were taken from a channel."""
     calls: list[tuple[int, int]] = []
-    orig = _transport.FdChannel.take
+    orig = _channel.FdChannel.take
 
-    def counting(self: _transport.FdChannel, tag: tuple[int, int]) -> list[int]:
+    def counting(self: _channel.FdChannel, tag: tuple[int, int]) -> list[int]:
         calls.append(tag)
         return orig(self, tag)
 
-    monkeypatch.setattr(_transport.FdChannel, "take", counting)
+    monkeypatch.setattr(_channel.FdChannel, "take", counting)
     return calls
 
 
 def test_views_of_one_storage_arrive_as_views_of_one_storage(
-    channel: _transport.FdChannel, channel_takes: list[tuple[int, int]]
+    channel: _channel.FdChannel, channel_takes: list[tuple[int, int]]
 ) -> None:
     base = torch.arange(float(BIG[0] * BIG[1])).reshape(BIG)
     batch = {"a": base, "b": base[3:], "t": base.t(), "x": [base[:, 1:], 7]}
-    out = _transport.loads_result(_transport.dumps_result(batch, (0, 1)))
+    out = _codec.loads_result(_codec.dumps_result(batch, (0, 1)))
     assert channel_takes == [(0, 1)]  # one message for the batch
     for key in ("a", "b", "t"):
         assert torch.equal(out[key], batch[key])
@@ -61,25 +61,25 @@ def test_views_of_one_storage_arrive_as_views_of_one_storage(
 
 
 def test_results_unpickled_out_of_order_each_get_their_own_descriptors(
-    channel: _transport.FdChannel,
+    channel: _channel.FdChannel,
 ) -> None:
     sent = [
-        (tag, _transport.dumps_result(torch.full(BIG, float(tag[1])), tag))
+        (tag, _codec.dumps_result(torch.full(BIG, float(tag[1])), tag))
         for tag in [(0, 0), (0, 1), (1, 0), (1, 1)]
     ]
     for tag, data in reversed(sent):
-        assert _transport.loads_result(data)[0, 0].item() == float(tag[1])
+        assert _codec.loads_result(data)[0, 0].item() == float(tag[1])
 
 
 def test_a_result_whose_descriptors_never_came_is_an_oserror(
-    channel: _transport.FdChannel,
+    channel: _channel.FdChannel,
 ) -> None:
-    data = _transport.dumps_result(torch.zeros(BIG), (0, 5))
+    data = _codec.dumps_result(torch.zeros(BIG), (0, 5))
     taken = channel.take((0, 5))  # someone else took them
     assert len(taken) == 1
-    _transport._close_all(taken)
+    _channel.close_all(taken)
     with pytest.raises(OSError) as info:
-        _transport.loads_result(data)
+        _codec.loads_result(data)
     assert info.value.errno == errno.ENOENT
 
 
@@ -93,41 +93,41 @@ def _shm_fds() -> int:
 
 def test_unclaimed_descriptors_are_closed_with_the_channel() -> None:
     before = _shm_fds()
-    ch = _transport.FdChannel()
-    _transport.set_worker_channel(ch)
+    ch = _channel.FdChannel()
+    _codec.set_worker_channel(ch)
     try:
         kept = [torch.zeros(BIG) for _ in range(3)]
         for i, t in enumerate(kept):
-            _transport.dumps_result(t, (0, i))
+            _codec.dumps_result(t, (0, i))
         del kept, t
         # The worker's side keeps nothing once a result is sent: its descriptors are in flight.
         assert _shm_fds() == before
         # Reads past (0, 0) and (0, 1): those are kept for their results.
-        _transport._close_all(ch.take((0, 2)))
+        _channel.close_all(ch.take((0, 2)))
         assert ch._npending == 2
         assert _shm_fds() == before + 2
     finally:
-        _transport.set_worker_channel(None)
+        _codec.set_worker_channel(None)
         ch.close()
     assert _shm_fds() == before
 
 
 def test_a_closed_channel_falls_back_to_torchs_descriptor_sharing(
-    channel: _transport.FdChannel, channel_takes: list[tuple[int, int]]
+    channel: _channel.FdChannel, channel_takes: list[tuple[int, int]]
 ) -> None:
     channel.main_end.close()  # the worker's send fails: nothing may be lost
     t = torch.arange(float(BIG[0] * BIG[1])).reshape(BIG)
-    out = _transport.loads_result(_transport.dumps_result(t, (0, 0)))
+    out = _codec.loads_result(_codec.dumps_result(t, (0, 0)))
     assert torch.equal(out, t)
     assert channel_takes == []
 
 
 def test_conjugated_and_negated_large_views_arrive_with_their_values(
-    channel: _transport.FdChannel,
+    channel: _channel.FdChannel,
 ) -> None:
     z = torch.complex(torch.ones(BIG), torch.arange(float(BIG[1])).expand(BIG).contiguous())
     batch = [z.conj(), torch._neg_view(z)]  # lazy views: raw memory holds the unflipped values
-    out = _transport.loads_result(_transport.dumps_result(batch, (0, 0)))
+    out = _codec.loads_result(_codec.dumps_result(batch, (0, 0)))
     assert torch.equal(out[0].resolve_conj(), z.conj().resolve_conj())
     assert torch.equal(out[1].resolve_neg(), (-z))
 
@@ -152,15 +152,15 @@ async def test_workers_send_large_batches_on_their_channel(
 def pooled_slots(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
     """(pool slot, first value) of every batch received in a pool buffer, in arrival order."""
     calls: list[tuple[int, float]] = []
-    orig = _transport.BufferPool.track
+    orig = _buffers.BufferPool.track
 
-    def recording(self: _transport.BufferPool, storage: torch.UntypedStorage, slot: int) -> int:
+    def recording(self: _buffers.BufferPool, storage: torch.UntypedStorage, slot: int) -> int:
         if slot >= 0:  # not a fresh buffer the pool did not keep
             first = torch.empty(0).set_(storage, 0, (1,), (1,))
             calls.append((slot, float(first[0])))
         return orig(self, storage, slot)
 
-    monkeypatch.setattr(_transport.BufferPool, "track", recording)
+    monkeypatch.setattr(_buffers.BufferPool, "track", recording)
     return calls
 
 
@@ -175,7 +175,7 @@ async def test_pool_buffers_are_reused_by_any_worker_once_the_consumer_drops_the
             firsts = [float(b[0, 0, 0, 0]) async for b in loader]
     assert firsts == [float(4 * i) for i in range(n)]
     # A batch finds no free buffer only while the consumer and the queue hold them all.
-    capacity = workers * _transport.MAX_SLOTS_PER_WORKER
+    capacity = workers * _buffers.MAX_SLOTS_PER_WORKER
     slots = [slot for slot, _ in pooled_slots]
     assert len(slots) > capacity
     assert set(slots) <= set(range(capacity))
@@ -196,11 +196,11 @@ async def test_a_pool_buffer_is_never_rewritten_while_a_view_of_it_lives(
     pooled_slots: list[tuple[int, float]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    capacity = 2 * _transport.MAX_SLOTS_PER_WORKER
+    capacity = 2 * _buffers.MAX_SLOTS_PER_WORKER
     keep = (0, 3, 7)
     if small_pool:  # as for the benchmark's 38.5 MB batches; forked workers inherit the budget
         # num_workers + 1 buffers at first; the views kept make the workers ask for more.
-        monkeypatch.setattr(_transport, "POOL_BYTES", 1)
+        monkeypatch.setattr(_buffers, "POOL_BYTES", 1)
         keep = (0, 7)
     ds = datasets.BigDataset(120, (3, 128, 128))
     kept: dict[int, torch.Tensor] = {}
@@ -226,120 +226,121 @@ async def test_a_pool_buffer_is_never_rewritten_while_a_view_of_it_lives(
 
 
 @pytest.fixture
-def pool_channel() -> Iterator[_transport.FdChannel]:
+def pool_channel() -> Iterator[_channel.FdChannel]:
     """:func:`channel` with a pool of reused buffers."""
     with datasets.playing_worker(pool=True) as ch:
         yield ch
 
 
-def _pool(ch: _transport.FdChannel) -> _transport.BufferPool:
-    assert ch.pool is not None
-    return ch.pool
+def _pool(ch: _channel.FdChannel) -> _buffers.BufferPool:
+    pool = _buffers.pool_of(ch)
+    assert pool is not None
+    return pool
 
 
 def _fresh_result(value: float) -> bytes:
     """A batch built in a fresh buffer, as a worker sends it."""
-    out = _transport.batch_buffer(BIG, torch.float32)
+    out = _codec.batch_buffer(BIG, torch.float32)
     out.fill_(value)
-    data = _transport.dumps_result(out, (0, int(value)))
-    _transport.release_unsent()  # the worker's task ends
+    data = _codec.dumps_result(out, (0, int(value)))
+    _codec.release_unsent()  # the worker's task ends
     return data
 
 
 def _pooled_result(value: float) -> tuple[bytes, int]:
     """A batch built in a pool buffer, as a worker sends it; and its slot."""
-    out = _transport.pool_buffer(BIG, torch.float32)
+    out = _codec.pool_buffer(BIG, torch.float32)
     assert out is not None
     out.fill_(value)
-    slot = _transport._worker_channel.slot_of[out.untyped_storage().data_ptr()]  # type: ignore[union-attr]
-    data = _transport.dumps_result(out, (0, int(value)))
-    _transport.release_unsent()  # the worker's task ends
+    slot = _codec._worker_channel.slot_of[out.untyped_storage().data_ptr()]  # type: ignore[union-attr]
+    data = _codec.dumps_result(out, (0, int(value)))
+    _codec.release_unsent()  # the worker's task ends
     return data, slot
 
 
-def _warm(ch: _transport.FdChannel) -> int:
+def _warm(ch: _channel.FdChannel) -> int:
     """Give the pool its first buffer: a fresh batch, received and dropped. Its slot."""
-    assert _transport.pool_buffer(BIG, torch.float32) is None  # an empty pool has none...
-    assert _transport._worker_channel is not None and _transport._worker_channel.permits == 1
-    _transport.release_unsent()  # ...but a permit to make one, given back unused here
-    batch = _transport.loads_result(_fresh_result(9.0))
+    assert _codec.pool_buffer(BIG, torch.float32) is None  # an empty pool has none...
+    assert _codec._worker_channel is not None and _codec._worker_channel.permits == 1
+    _codec.release_unsent()  # ...but a permit to make one, given back unused here
+    batch = _codec.loads_result(_fresh_result(9.0))
     assert batch[0, 0].item() == 9.0
     pool = _pool(ch)
-    (slot,) = [s for s in range(pool.capacity) if pool.state[s] != _transport._EMPTY]
-    assert pool.state[slot] == _transport._BUSY  # kept, but the consumer still holds it
+    (slot,) = [s for s in range(pool.capacity) if pool.state[s] != _buffers._EMPTY]
+    assert pool.state[slot] == _buffers._BUSY  # kept, but the consumer still holds it
     del batch
-    assert pool.state[slot] == _transport._SPARE
+    assert pool.state[slot] == _buffers._SPARE
     return slot
 
 
-def _all_tokens(pool: _transport.BufferPool) -> list[tuple[int, int]]:
+def _all_tokens(pool: _buffers.BufferPool) -> list[tuple[int, int]]:
     """Take every token out of the pool's pipe (and put them back)."""
     got = []
     with contextlib.suppress(BlockingIOError):
-        while data := os.read(pool.tokens_r, _transport._TOKEN.size):
-            got.append(_transport._TOKEN.unpack(data))
+        while data := os.read(pool.tokens_r, _buffers._TOKEN.size):
+            got.append(_buffers._TOKEN.unpack(data))
     for token in got:
-        os.write(pool.tokens_w, _transport._TOKEN.pack(*token))
+        os.write(pool.tokens_w, _buffers._TOKEN.pack(*token))
     return got
 
 
-def _tokens(pool: _transport.BufferPool) -> list[tuple[int, int]]:
+def _tokens(pool: _buffers.BufferPool) -> list[tuple[int, int]]:
     """The free buffers' tokens in the pool's pipe."""
-    return [t for t in _all_tokens(pool) if t[0] != _transport._PERMIT]
+    return [t for t in _all_tokens(pool) if t[0] != _buffers._PERMIT]
 
 
-def _permits(pool: _transport.BufferPool) -> int:
+def _permits(pool: _buffers.BufferPool) -> int:
     """The permits in the pool's pipe."""
-    return sum(t[0] == _transport._PERMIT for t in _all_tokens(pool))
+    return sum(t[0] == _buffers._PERMIT for t in _all_tokens(pool))
 
 
 def test_this_torch_lets_a_storage_finaliser_hand_buffers_back() -> None:
     # Otherwise buffers go back only when the next result arrives (release_dropped).
-    assert _transport._sole_holder_count() in (0, 1)
+    assert _buffers._sole_holder_count() in (0, 1)
 
 
 def test_a_fresh_batch_buffer_joins_the_pool_when_its_batch_is_dropped(
-    pool_channel: _transport.FdChannel,
+    pool_channel: _channel.FdChannel,
 ) -> None:
     slot = _warm(pool_channel)
     pool = _pool(pool_channel)
     assert _tokens(pool) == [(slot, pool.gens[slot])]
     data, again = _pooled_result(3.0)
     assert again == slot and _tokens(pool) == []
-    batch = _transport.loads_result(data)
-    assert batch[0, 0].item() == 3.0 and pool.state[slot] == _transport._BUSY
+    batch = _codec.loads_result(data)
+    assert batch[0, 0].item() == 3.0 and pool.state[slot] == _buffers._BUSY
     # A tensor the worker did not make for the batch (user memory) is never kept.
     user = torch.full(BIG, 4.0)
-    kept = _transport.loads_result(_transport.dumps_result(user, (0, 4)))
+    kept = _codec.loads_result(_codec.dumps_result(user, (0, 4)))
     assert kept[0, 0].item() == 4.0
     del kept
-    assert [s for s in range(pool.capacity) if pool.state[s] != _transport._EMPTY] == [slot]
+    assert [s for s in range(pool.capacity) if pool.state[s] != _buffers._EMPTY] == [slot]
 
 
 def test_a_pool_buffer_goes_back_when_its_last_view_is_dropped_not_on_the_next_result(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+    pool_channel: _channel.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _warm(pool_channel)
     pool = _pool(pool_channel)
     polls: list[int] = []
-    orig = _transport.BufferPool.release_dropped
+    orig = _buffers.BufferPool.release_dropped
     monkeypatch.setattr(
-        _transport.BufferPool, "release_dropped", lambda self: (polls.append(1), orig(self))[1]
+        _buffers.BufferPool, "release_dropped", lambda self: (polls.append(1), orig(self))[1]
     )
     data, slot = _pooled_result(5.0)
-    batch = _transport.loads_result(data)
+    batch = _codec.loads_result(data)
     polls.clear()  # from here on no result arrives: only the finaliser can hand it back
     view = batch[100:, 3]
     del batch
-    assert pool.state[slot] == _transport._BUSY  # a view still reads it
+    assert pool.state[slot] == _buffers._BUSY  # a view still reads it
     storage = view.untyped_storage()  # torch keeps one Python object per storage...
     assert storage is view.untyped_storage()
     del view
-    assert pool.state[slot] == _transport._BUSY  # ...and the storage object alone keeps it too
+    assert pool.state[slot] == _buffers._BUSY  # ...and the storage object alone keeps it too
     again = torch.empty(0).set_(storage, 0, (8,), (1,))
     array = again.numpy()
     del storage, again
-    assert pool.state[slot] == _transport._BUSY  # a numpy array of it
+    assert pool.state[slot] == _buffers._BUSY  # a numpy array of it
     assert array[0] == 5.0
     # The last holder is dropped on another thread (a consumer's executor, say).
     holder = [array]
@@ -348,42 +349,43 @@ def test_a_pool_buffer_goes_back_when_its_last_view_is_dropped_not_on_the_next_r
     thread.start()
     thread.join(10)
     assert not thread.is_alive()
-    assert pool.state[slot] == _transport._SPARE
+    assert pool.state[slot] == _buffers._SPARE
     assert _tokens(pool) == [(slot, pool.gens[slot])]
     assert polls == []
     assert pool.outstanding == {}
 
 
 def test_a_buffer_handed_back_is_reused_and_release_dropped_never_frees_it_twice(
-    pool_channel: _transport.FdChannel,
+    pool_channel: _channel.FdChannel,
 ) -> None:
     _warm(pool_channel)
     pool = _pool(pool_channel)
     data, slot = _pooled_result(1.0)
-    first = _transport.loads_result(data)
+    first = _codec.loads_result(data)
     del first
     data, slot2 = _pooled_result(2.0)
     assert slot2 == slot  # the same buffer, rewritten: nothing reads the first batch any more
-    second = _transport.loads_result(data)  # release_dropped runs here too
-    assert pool.state[slot] == _transport._BUSY
+    second = _codec.loads_result(data)  # release_dropped runs here too
+    assert pool.state[slot] == _buffers._BUSY
     pool.release_dropped()
-    assert pool.state[slot] == _transport._BUSY and second[0, 0].item() == 2.0
+    assert pool.state[slot] == _buffers._BUSY and second[0, 0].item() == 2.0
     assert _tokens(pool) == []  # a second token would let two batches share the buffer
     del second
     assert _tokens(pool) == [(slot, pool.gens[slot])]
 
 
 def _two_workers(
-    ch: _transport.FdChannel,
-) -> tuple[int, _transport.BufferPool, _transport.FdChannel, list[_transport._WorkerEnd]]:
+    ch: _channel.FdChannel,
+) -> tuple[int, _buffers.BufferPool, _channel.FdChannel, list[_buffers.WorkerEnd]]:
     """:func:`_warm`'s pool, a second worker's channel on it (close it when done), and both
     workers' ends, each told of the pool's buffer."""
     slot = _warm(ch)
     pool = _pool(ch)
-    other = _transport.FdChannel(pool, wid=1)
-    mine = _transport._worker_channel
+    other = _channel.FdChannel(wid=1)
+    pool.attach(other)
+    mine = _codec._worker_channel
     assert mine is not None
-    ends = [mine, _transport.worker_end(other)]
+    ends = [mine, _buffers.worker_end(other)]
     try:
         for end in ends:
             end._receive()
@@ -394,7 +396,7 @@ def _two_workers(
     return slot, pool, other, ends
 
 
-def test_each_free_buffer_goes_to_exactly_one_worker(pool_channel: _transport.FdChannel) -> None:
+def test_each_free_buffer_goes_to_exactly_one_worker(pool_channel: _channel.FdChannel) -> None:
     slot, pool, other, ends = _two_workers(pool_channel)
     try:
         barrier = threading.Barrier(2)
@@ -410,7 +412,7 @@ def test_each_free_buffer_goes_to_exactly_one_worker(pool_channel: _transport.Fd
         for t in threads:
             t.join(10)
         assert sum(g is not None for g in got) == 1
-        assert pool.state[slot] == _transport._BUSY
+        assert pool.state[slot] == _buffers._BUSY
     finally:
         ends[1].close()
         other.close()
@@ -430,12 +432,12 @@ def test_a_buffer_freed_while_two_workers_wait_goes_to_the_earlier_batch(
         try:
             # The consumer holds the only buffer, and no permit is left.
             tokens = _all_tokens(pool)
-            os.read(pool.tokens_r, _transport._TOKEN.size * len(tokens))
+            os.read(pool.tokens_r, _buffers._TOKEN.size * len(tokens))
             assert (slot, pool.gens[slot]) in tokens
             loads = {0: (7, 4), 1: (7, 3)}  # worker -> (epoch, send_idx) it loads
             which = threading.local()
-            monkeypatch.setattr(_transport, "_buffer_wait", lambda: 5.0)
-            monkeypatch.setattr(_transport, "_buffer_key", lambda: loads[which.k])
+            monkeypatch.setattr(_buffers, "_buffer_wait", lambda: 5.0)
+            monkeypatch.setattr(_buffers, "_buffer_key", lambda: loads[which.k])
             got: list[Any] = [None, None]
 
             def take(k: int) -> None:
@@ -449,7 +451,7 @@ def test_a_buffer_freed_while_two_workers_wait_goes_to_the_earlier_batch(
                 while pool.wants[2 * k + 1] != loads[k][1] and time.monotonic() < deadline:
                     time.sleep(0.001)
                 assert pool.wants[2 * k : 2 * k + 2] == list(loads[k])  # waiting
-            os.write(pool.tokens_w, _transport._TOKEN.pack(slot, pool.gens[slot]))  # dropped
+            os.write(pool.tokens_w, _buffers._TOKEN.pack(slot, pool.gens[slot]))  # dropped
             workers[1].join(10)
             assert got[1] is not None, "the earlier batch's worker got no buffer"
             assert workers[0].is_alive() and got[0] is None  # batch 4 waits on
@@ -459,7 +461,7 @@ def test_a_buffer_freed_while_two_workers_wait_goes_to_the_earlier_batch(
             assert got[0] is not None and pool.wants[1] == -1
             ends[0].release_unsent()
         finally:
-            os.write(pool.tokens_w, _transport._TOKEN.pack(slot, pool.gens[slot]) * 2)
+            os.write(pool.tokens_w, _buffers._TOKEN.pack(slot, pool.gens[slot]) * 2)
             for t in workers:
                 if t.ident is not None:
                     t.join(10)
@@ -468,23 +470,23 @@ def test_a_buffer_freed_while_two_workers_wait_goes_to_the_earlier_batch(
 
 
 def test_a_worker_waiting_takes_a_buffer_that_joins_the_pool_meanwhile(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+    pool_channel: _channel.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A buffer joins the pool (a fresh batch adopted) while the worker waits: its descriptor is
     # announced on the worker's channel before its token goes in the pipe, so the waiting worker
     # must map it on waking, not pass the token over (and spin on it) until its patience ends.
     pool = _pool(pool_channel)
-    end = _transport._worker_channel
+    end = _codec._worker_channel
     assert end is not None
     end._receive()
     assert end.tokens is not None
     assert _tokens(pool) == [] and _permits(pool) == 2
-    os.read(pool.tokens_r, _transport._TOKEN.size * 2)  # no buffer, no permit in the pipe
-    monkeypatch.setattr(_transport, "_buffer_wait", lambda: 3.0)
+    os.read(pool.tokens_r, _buffers._TOKEN.size * 2)  # no buffer, no permit in the pipe
+    monkeypatch.setattr(_buffers, "_buffer_wait", lambda: 3.0)
     # Big enough that the pool's target stays at num_workers + 1: adopting it issues no permit,
     # which the waiter, woken by the permit's token, could take before the buffer's token is
     # written (it did, once, on a loaded machine). The memfd stays sparse: nothing is touched.
-    nbytes = _transport.POOL_BYTES * 3 // 4
+    nbytes = _buffers.POOL_BYTES * 3 // 4
     got: list[Any] = []
     waiter = threading.Thread(target=lambda: got.append(end.acquire(nbytes)))
     fd = os.memfd_create("aioloader-test")
@@ -500,130 +502,130 @@ def test_a_worker_waiting_takes_a_buffer_that_joins_the_pool_meanwhile(
         waiter.join(10)
         assert got and got[0] is not None and got[0].nbytes() == nbytes
         assert time.monotonic() - t0 < 1.5  # not after the worker's patience ran out
-        assert pool.state[slot] == _transport._BUSY and end.unsent == [slot]
+        assert pool.state[slot] == _buffers._BUSY and end.unsent == [slot]
         assert _permits(pool) == 0 and end.permits == 0
         end.release_unsent()
     finally:
-        os.write(pool.tokens_w, _transport._TOKEN.pack(_transport._PERMIT, 0))
+        os.write(pool.tokens_w, _buffers._TOKEN.pack(_buffers._PERMIT, 0))
         waiter.join(10)
         os.close(fd)
 
 
 def test_a_buffer_too_small_for_the_batches_now_is_let_go_for_a_bigger_one(
-    pool_channel: _transport.FdChannel,
+    pool_channel: _channel.FdChannel,
 ) -> None:
     slot = _warm(pool_channel)
     pool = _pool(pool_channel)
-    end = _transport._worker_channel
+    end = _codec._worker_channel
     assert end is not None
     bigger = (BIG[0] * 2, BIG[1])
-    assert _transport.pool_buffer(bigger, torch.float32) is None  # returned: too small
-    assert pool.state[slot] == _transport._RETURNED
-    _transport.release_unsent()
+    assert _codec.pool_buffer(bigger, torch.float32) is None  # returned: too small
+    assert pool.state[slot] == _buffers._RETURNED
+    _codec.release_unsent()
     gen = pool.gens[slot]
-    out = _transport.batch_buffer(bigger, torch.float32)
+    out = _codec.batch_buffer(bigger, torch.float32)
     out.fill_(6.0)
-    batch = _transport.loads_result(_transport.dumps_result(out, (0, 6)))
-    _transport.release_unsent()
+    batch = _codec.loads_result(_codec.dumps_result(out, (0, 6)))
+    _codec.release_unsent()
     del out
-    assert pool.state[slot] != _transport._RETURNED and pool.gens[slot] > gen  # let go
+    assert pool.state[slot] != _buffers._RETURNED and pool.gens[slot] > gen  # let go
     del batch  # the bigger one joins the pool
-    assert _transport.pool_buffer(bigger, torch.float32) is not None
+    assert _codec.pool_buffer(bigger, torch.float32) is not None
     assert slot not in end.mapped or end.mapped[slot][0] == pool.gens[slot]
-    _transport.release_unsent()
+    _codec.release_unsent()
 
 
 def test_the_pool_is_bounded_from_the_first_batch_and_a_worker_waits_for_a_buffer(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+    pool_channel: _channel.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_transport, "POOL_BYTES", 1)  # num_workers + 1 buffers: 2 here
+    monkeypatch.setattr(_buffers, "POOL_BYTES", 1)  # num_workers + 1 buffers: 2 here
     pool = _pool(pool_channel)
     assert _permits(pool) == 2 and _tokens(pool) == []
     waits: list[int] = []
-    monkeypatch.setattr(_transport, "_buffer_wait", lambda: waits.append(1) or 5.0)
+    monkeypatch.setattr(_buffers, "_buffer_wait", lambda: waits.append(1) or 5.0)
     # The start of an epoch: each fresh buffer is made with a permit, and joins the pool.
     held = [
-        _transport.loads_result(_fresh_result(1.0)),
-        _transport.loads_result(_fresh_result(2.0)),
+        _codec.loads_result(_fresh_result(1.0)),
+        _codec.loads_result(_fresh_result(2.0)),
     ]
     assert waits == [] and _permits(pool) == 0
-    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
+    assert sum(pool.state[s] != _buffers._EMPTY for s in range(pool.capacity)) == 2
     # A third batch while the consumer holds both: no third buffer, the worker waits until
     # the consumer drops a batch, 0.2 s after the wait began (the timer starts with the wait,
     # so a stall of this thread before it cannot shorten the wait or skip it).
     timer = threading.Timer(0.2, held.pop, args=(0,))
-    monkeypatch.setattr(_transport, "_buffer_wait", lambda: waits.append(1) or timer.start() or 5.0)
+    monkeypatch.setattr(_buffers, "_buffer_wait", lambda: waits.append(1) or timer.start() or 5.0)
     try:
         t0 = time.monotonic()
-        out = _transport.pool_buffer(BIG, torch.float32)
+        out = _codec.pool_buffer(BIG, torch.float32)
         assert out is not None and waits == [1]
         assert 0.15 < time.monotonic() - t0 < 4.0
     finally:
         if timer.ident is not None:
             timer.join(10)
     del out
-    _transport.release_unsent()  # not sent: the buffer is free again
+    _codec.release_unsent()  # not sent: the buffer is free again
     # A consumer that keeps its batches: the wait times out once, then no more waiting, and
     # the fresh buffers made meanwhile are not kept.
-    monkeypatch.setattr(_transport, "_buffer_wait", lambda: waits.append(1) or 0.05)
+    monkeypatch.setattr(_buffers, "_buffer_wait", lambda: waits.append(1) or 0.05)
     waits.clear()
-    held.append(_transport.loads_result(_pooled_result(4.0)[0]))
-    assert _transport.pool_buffer(BIG, torch.float32) is None and waits == [1]
-    assert _transport.pool_buffer(BIG, torch.float32) is None and waits == [1]
-    _transport.release_unsent()
-    held.append(_transport.loads_result(_fresh_result(5.0)))
-    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
+    held.append(_codec.loads_result(_pooled_result(4.0)[0]))
+    assert _codec.pool_buffer(BIG, torch.float32) is None and waits == [1]
+    assert _codec.pool_buffer(BIG, torch.float32) is None and waits == [1]
+    _codec.release_unsent()
+    held.append(_codec.loads_result(_fresh_result(5.0)))
+    assert sum(pool.state[s] != _buffers._EMPTY for s in range(pool.capacity)) == 2
     held.clear()  # buffers come back: waiting is on again
     assert _permits(pool) == 0 and len(_tokens(pool)) == 2
-    assert _transport.pool_buffer(BIG, torch.float32) is not None
-    _transport.release_unsent()
-    assert _transport._worker_channel is not None and _transport._worker_channel.patient
+    assert _codec.pool_buffer(BIG, torch.float32) is not None
+    _codec.release_unsent()
+    assert _codec._worker_channel is not None and _codec._worker_channel.patient
 
 
 def test_a_permit_not_used_or_not_kept_comes_back(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+    pool_channel: _channel.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_transport, "POOL_BYTES", 1)
+    monkeypatch.setattr(_buffers, "POOL_BYTES", 1)
     pool = _pool(pool_channel)
-    end = _transport._worker_channel
+    end = _codec._worker_channel
     assert end is not None
     # A buffer made with a permit that fails before it is sent (collate raised, say).
-    out = _transport.batch_buffer(BIG, torch.float32)
+    out = _codec.batch_buffer(BIG, torch.float32)
     assert end.fresh == {out.untyped_storage().data_ptr(): True} and _permits(pool) == 1
-    _transport.release_unsent()
+    _codec.release_unsent()
     assert _permits(pool) == 2
     del out
     # A short last batch made with a permit: not kept (the pool's buffers stay one size), and
     # its permit comes back when the consumer drops it.
-    kept = _transport.loads_result(_fresh_result(1.0))
-    out = _transport.batch_buffer((BIG[0] // 2, BIG[1]), torch.float32)
-    short = _transport.loads_result(_transport.dumps_result(out, (0, 2)))
-    _transport.release_unsent()
+    kept = _codec.loads_result(_fresh_result(1.0))
+    out = _codec.batch_buffer((BIG[0] // 2, BIG[1]), torch.float32)
+    short = _codec.loads_result(_codec.dumps_result(out, (0, 2)))
+    _codec.release_unsent()
     del out
     assert _permits(pool) == 0
-    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 1
+    assert sum(pool.state[s] != _buffers._EMPTY for s in range(pool.capacity)) == 1
     del short
     assert _permits(pool) == 1
     del kept
     assert _permits(pool) == 1 and len(_tokens(pool)) == 1
     # A permit's buffer whose batch cannot be received.
-    monkeypatch.setattr(_transport, "_buffer_wait", None)
-    held = _transport.pool_buffer(BIG, torch.float32)  # the pool's buffer, held
+    monkeypatch.setattr(_buffers, "_buffer_wait", None)
+    held = _codec.pool_buffer(BIG, torch.float32)  # the pool's buffer, held
     data = _fresh_result(3.0)
     assert _permits(pool) == 0
 
-    def fail(self: _transport.FdChannel, tag: tuple[int, int]) -> list[int]:
+    def fail(self: _channel.FdChannel, tag: tuple[int, int]) -> list[int]:
         raise OSError(errno.EMFILE, "no descriptors left")
 
-    monkeypatch.setattr(_transport.FdChannel, "take", fail)
+    monkeypatch.setattr(_channel.FdChannel, "take", fail)
     with pytest.raises(OSError):
-        _transport.loads_result(data)
+        _codec.loads_result(data)
     monkeypatch.undo()
     assert _permits(pool) == 1
     for fd in pool_channel.take((0, 3)):
         os.close(fd)
     del held
-    _transport.release_unsent()
+    _codec.release_unsent()
 
 
 def _expected_view(j: int) -> torch.Tensor:
@@ -815,10 +817,10 @@ def test_only_a_worker_behind_another_waits_long_for_a_buffer() -> None:
     state.worker_id = 1
     try:
         for others, epochs, expected in [
-            ([4, 7, -1], [0, 0, 0], _transport.WAIT_FOR_BUFFER_S),  # worker 0 loads batch 4
-            ([9, 7, 8], [0, 0, 0], _transport.WAIT_FOR_BUFFER_FIRST_S),  # 7 is the earliest
-            ([-1, 7, -1], [0, 0, 0], _transport.WAIT_FOR_BUFFER_FIRST_S),  # the others idle
-            ([4, 7, -1], [1, 2, 0], _transport.WAIT_FOR_BUFFER_FIRST_S),  # an older epoch's
+            ([4, 7, -1], [0, 0, 0], _buffers.WAIT_FOR_BUFFER_S),  # worker 0 loads batch 4
+            ([9, 7, 8], [0, 0, 0], _buffers.WAIT_FOR_BUFFER_FIRST_S),  # 7 is the earliest
+            ([-1, 7, -1], [0, 0, 0], _buffers.WAIT_FOR_BUFFER_FIRST_S),  # the others idle
+            ([4, 7, -1], [1, 2, 0], _buffers.WAIT_FOR_BUFFER_FIRST_S),  # an older epoch's
         ]:
             state.slots, state.epoch_slots = others, epochs
             assert _worker._buffer_patience() == expected, (others, epochs)
@@ -841,7 +843,7 @@ def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batche
         assert pool.adopt(ch, fd, big) == -1  # past that, waits alone are no reason
         # The consumer holds two delivered batches (one in no pool buffer): it keeps batches.
         held = [torch.UntypedStorage._new_shared_fd_cpu(fd, 64) for _ in range(2)]  # type: ignore[attr-defined]
-        entries = (pool.track(held[0], 0), pool.track(held[1], _transport._UNKEPT))
+        entries = (pool.track(held[0], 0), pool.track(held[1], _buffers._UNKEPT))
         pool.delivered(entries[:1])
         pool.state[grow] = 1
         assert pool.adopt(ch, fd, big) == -1  # one delivered batch held: the one it works on
@@ -862,59 +864,59 @@ def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batche
 
 def _delivered(data: bytes) -> torch.Tensor:
     """A batch received and handed to the consumer."""
-    tracked: list[tuple[_transport.BufferPool, int]] = []
-    batch = _transport.loads_result(data, tracked)
-    _transport.delivered(tuple(tracked))
+    tracked: list[tuple[_buffers.BufferPool, int]] = []
+    batch = _codec.loads_result(data, tracked)
+    _buffers.delivered(tuple(tracked))
     return batch
 
 
 def _every_buffer_held(
-    ch: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch, wait_s: float
-) -> tuple[_transport.BufferPool, list[torch.Tensor]]:
+    ch: _channel.FdChannel, monkeypatch: pytest.MonkeyPatch, wait_s: float
+) -> tuple[_buffers.BufferPool, list[torch.Tensor]]:
     """A pool of num_workers + 1 = 2 buffers at its budget, both held by the consumer (the
     batches delivered and returned), no permit left; workers may wait ``wait_s`` for a buffer."""
-    monkeypatch.setattr(_transport, "POOL_BYTES", 1)
+    monkeypatch.setattr(_buffers, "POOL_BYTES", 1)
     _warm(ch)
-    monkeypatch.setattr(_transport, "_buffer_wait", lambda: wait_s)
+    monkeypatch.setattr(_buffers, "_buffer_wait", lambda: wait_s)
     held = [_delivered(_pooled_result(1.0)[0]), _delivered(_fresh_result(2.0))]
     pool = _pool(ch)
     assert _permits(pool) == 0
-    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 2
+    assert sum(pool.state[s] != _buffers._EMPTY for s in range(pool.capacity)) == 2
     return pool, held
 
 
 def test_a_worker_that_waits_long_for_most_buffers_asks_for_one_more(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+    pool_channel: _channel.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pool, held = _every_buffer_held(pool_channel, monkeypatch, wait_s=0.01)
     grow = pool.capacity
-    end = _transport._worker_channel
+    end = _codec._worker_channel
     assert end is not None
     for _ in range(2):  # two waits in vain
         end.patient = True
-        assert _transport.pool_buffer(BIG, torch.float32) is None
+        assert _codec.pool_buffer(BIG, torch.float32) is None
     assert pool.state[grow] == 0
     end.patient = True
-    assert _transport.pool_buffer(BIG, torch.float32) is None  # asks instead of waiting
+    assert _codec.pool_buffer(BIG, torch.float32) is None  # asks instead of waiting
     assert pool.state[grow] == 1 and not end.waited
-    held.append(_transport.loads_result(_fresh_result(4.0)))
+    held.append(_codec.loads_result(_fresh_result(4.0)))
     # The consumer holds both buffers: it keeps batches, so the pool keeps one buffer more.
-    assert sum(pool.state[s] != _transport._EMPTY for s in range(pool.capacity)) == 3
-    _transport.release_unsent()
+    assert sum(pool.state[s] != _buffers._EMPTY for s in range(pool.capacity)) == 3
+    _codec.release_unsent()
 
 
 def test_long_waits_behind_an_earlier_batch_ask_for_a_buffer_only_for_kept_batches(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+    pool_channel: _channel.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Behind another worker's earlier batch, a wait lasts until that batch reaches the consumer:
     # the order of delivery makes it. Two such waits ask the pool for a buffer more (and make
     # one at once) only while the consumer keeps batches; otherwise the worker waits on. The
     # earliest batch's own long waits ask either way.
     pool, held = _every_buffer_held(pool_channel, monkeypatch, wait_s=5.0)
-    end = _transport._worker_channel
+    end = _codec._worker_channel
     assert end is not None
     grow, keeps = pool.capacity, pool.capacity + 1
-    monkeypatch.setattr(_transport, "_buffer_key", lambda: (0, 5))
+    monkeypatch.setattr(_buffers, "_buffer_key", lambda: (0, 5))
 
     def load_when_a_batch_is_dropped() -> torch.Tensor | None:
         # The consumer drops a batch 30 ms after the worker started to wait.
@@ -928,37 +930,37 @@ def test_long_waits_behind_an_earlier_batch_ask_for_a_buffer_only_for_kept_batch
         dropper = threading.Thread(target=drop_once_waiting)
         dropper.start()
         try:
-            return _transport.pool_buffer(BIG, torch.float32)
+            return _codec.pool_buffer(BIG, torch.float32)
         finally:
             dropper.join(10)
 
     def deliver(out: torch.Tensor) -> None:
         # The batch goes to the consumer, which holds it: every buffer is held again.
-        data = _transport.dumps_result(out, (0, 10 + len(held)))
-        _transport.release_unsent()
+        data = _codec.dumps_result(out, (0, 10 + len(held)))
+        _codec.release_unsent()
         held.insert(0, _delivered(data))
 
     for behind, kept, asks in ((True, 0, False), (True, 1, True), (False, 0, True)):
-        monkeypatch.setattr(_transport, "_buffer_behind", lambda b=behind: b)
+        monkeypatch.setattr(_buffers, "_buffer_behind", lambda b=behind: b)
         end.waited.clear()
         for _ in range(2):
             end.patient = True
             out = load_when_a_batch_is_dropped()
-            kind = _transport._LONG_BEHIND if behind else _transport._LONG
+            kind = _buffers._LONG_BEHIND if behind else _buffers._LONG
             assert out is not None and end.waited[-1] == kind, behind
             deliver(out)
             del out
         end.patient = True
         pool.state[keeps] = kept  # what the main process last saw of the consumer
         if asks:
-            assert _transport.pool_buffer(BIG, torch.float32) is None  # asks, makes one now
+            assert _codec.pool_buffer(BIG, torch.float32) is None  # asks, makes one now
             assert pool.state[grow] == 1 and not end.waited
             pool.state[grow] = 0
-            _transport.release_unsent()
+            _codec.release_unsent()
         else:
             out = load_when_a_batch_is_dropped()  # no asking: it waits on for a buffer
             assert out is not None and pool.state[grow] == 0
-            assert list(end.waited) == [_transport._LONG_BEHIND]
+            assert list(end.waited) == [_buffers._LONG_BEHIND]
             deliver(out)
             del out
 
@@ -970,7 +972,7 @@ def test_the_workers_learn_at_each_delivery_whether_the_consumer_keeps_batches()
 
         def deliver() -> torch.UntypedStorage:
             storage = torch.UntypedStorage._new_shared_fd_cpu(fd, 64)  # type: ignore[attr-defined]
-            pool.delivered((pool.track(storage, _transport._UNKEPT),))
+            pool.delivered((pool.track(storage, _buffers._UNKEPT),))
             return storage
 
         a = deliver()
@@ -992,14 +994,14 @@ def test_the_workers_learn_at_each_delivery_whether_the_consumer_keeps_batches()
 
 
 def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
-    pool_channel: _transport.FdChannel, monkeypatch: pytest.MonkeyPatch
+    pool_channel: _channel.FdChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Small batches fill the pool with small buffers (and permits for as many as fit); bigger
     # batches then let them go, each leaving a permit. The surplus over the (lower) target for
     # the bigger size must not stop the pool from keeping buffers again.
-    monkeypatch.setattr(_transport, "_buffer_wait", None)
+    monkeypatch.setattr(_buffers, "_buffer_wait", None)
     pool = _pool(pool_channel)
-    end = _transport._worker_channel
+    end = _codec._worker_channel
     assert end is not None
     small, big = (256, 1024), (24, 256, 1024)  # 1 MiB, 24 MiB of float32
     assert pool._target(big[0] * big[1] * big[2] * 4) == 2
@@ -1008,11 +1010,11 @@ def test_a_pool_whose_batches_grow_keeps_buffers_of_the_new_size(
         """Two batches in flight at once, then dropped; how many reused a pool buffer."""
         held, reused = [], 0
         for k in range(2):
-            out = _transport.batch_buffer(shape, torch.float32)
+            out = _codec.batch_buffer(shape, torch.float32)
             reused += out.untyped_storage().data_ptr() in end.slot_of
             out.fill_(value + k)
-            held.append(_transport.loads_result(_transport.dumps_result(out, (0, 2 * k))))
-            _transport.release_unsent()
+            held.append(_codec.loads_result(_codec.dumps_result(out, (0, 2 * k))))
+            _codec.release_unsent()
             del out
         assert [float(b.flatten()[0]) for b in held] == [value, value + 1]
         return reused
@@ -1034,7 +1036,7 @@ def test_one_outsized_batch_does_not_set_the_pools_size_for_good() -> None:
         pool.offered(small)  # what receiving a batch tells the pool
         assert pool.adopt(ch, fd, small, permitted=True) == 0
         pool.offered(big)
-        assert pool.adopt(ch, fd, big, permitted=True) == _transport._PERMIT
+        assert pool.adopt(ch, fd, big, permitted=True) == _buffers._PERMIT
         for _ in range(2 * pool.capacity):  # 4 MiB batches again, as many as the pool looks at
             pool.offered(small)
         got = [pool.adopt(ch, fd, small, permitted=True) for _ in range(5)]
@@ -1051,5 +1053,5 @@ def test_one_outsized_batch_does_not_set_the_pools_size_for_good() -> None:
         pool.track(storage, 0)
         del storage  # the consumer drops the batch
         pool.release_dropped()
-        assert pool._fds[0] < 0 and pool.state[0] == _transport._EMPTY
+        assert pool._fds[0] < 0 and pool.state[0] == _buffers._EMPTY
         assert pool._permits > permits

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from aioloader import AsyncDataLoader, _transport, _worker
+from aioloader import AsyncDataLoader, _payload, _worker
 from tests import datasets
 from tests.conftest import collect
 
@@ -226,7 +226,7 @@ def test_open_file_in_dataset_is_refused_not_copied(tmp_path: Any, collate: Any)
     ds = _OpenFileDataset(str(tmp_path / "log.txt"))
     try:
         with pytest.raises(TypeError, match=r"cannot pickle '_io\.TextIOWrapper' object") as info:
-            _transport.dump_payload((ds, collate, None))
+            _payload.dump_payload((ds, collate, None))
     finally:
         ds.files["log"].close()
     notes = "".join(getattr(info.value, "__notes__", []))
@@ -238,7 +238,7 @@ def test_unpicklable_worker_init_fn_note_names_it() -> None:
 
     lock = threading.Lock()
     with pytest.raises(TypeError, match="lock") as info:
-        _transport.dump_payload((datasets.RangeDataset(4), None, functools.partial(print, lock)))
+        _payload.dump_payload((datasets.RangeDataset(4), None, functools.partial(print, lock)))
     assert "worker_init_fn" in "".join(getattr(info.value, "__notes__", []))
 
 

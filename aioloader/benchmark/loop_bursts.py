@@ -124,18 +124,18 @@ def wake_cost(gaps_ms: Sequence[float], repeats: int) -> list[tuple[float, float
 
     import torch
 
-    from aioloader import _transport
+    from aioloader import _codec
 
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if any(g < 0 for g in gaps_ms):
         raise ValueError(f"gaps must not be negative, got {list(gaps_ms)}")
     batch = (torch.zeros(32, 8, 8, 3, dtype=torch.uint8), list(range(32)))
-    data = _transport.dumps_result(batch)
+    data = _codec.dumps_result(batch)
 
     def unit() -> float:
         t = time.perf_counter()
-        got = _transport.loads_result(data)
+        got = _codec.loads_result(data)
         took = time.perf_counter() - t
         del got  # freed outside the timed part
         return took
