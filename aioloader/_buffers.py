@@ -3,6 +3,22 @@
 :class:`BufferPool` is the main process's side, :class:`WorkerEnd` a worker's. A worker builds a
 large batch in a pool buffer (or a fresh segment the pool may keep), and the main process hands
 the buffer back once the consumer drops the batch.
+
+The policy, and what it guarantees. *Bounded memory:* a worker makes a buffer that the pool may
+keep only with a permit, and the pool's buffers and permits together never exceed its target:
+``num_workers + 1``, more while buffers of the recent batches' size fit in ``num_workers *``
+:data:`POOL_BYTES`, never more than :data:`MAX_SLOTS_PER_WORKER` per worker; a buffer smaller
+than a batch now, or twice the size of any batch lately, leaves the pool. *Reuse:* a worker
+takes a free buffer before a permit, and a buffer freed while workers wait goes to the one
+loading the earliest batch, which the consumer needs first. *No deadlock:* a worker that finds
+neither waits at most :data:`WAIT_FOR_BUFFER_S` (:data:`WAIT_FOR_BUFFER_FIRST_S` for the earliest
+batch), then builds its batch in a fresh segment the pool does not keep, as torch does, and
+waits no more until a buffer comes back; so a consumer that keeps every batch costs what it
+costs under torch, and never stalls the workers. *Growth:* a worker whose waits were long for
+two of its last three buffers asks for one buffer more, which the pool grants up to
+``num_workers + 2``, and past that only while the consumer holds two delivered buffers or more
+(it keeps batches, or a batch takes several buffers); waits that only the order of delivery
+makes (a worker a batch ahead of the other) ask only while the consumer keeps buffers.
 """
 
 from __future__ import annotations
@@ -149,16 +165,11 @@ class BufferPool:
     the buffer joins the pool; a token whose generation is not the slot's current one is
     stale (the buffer left the pool) and is dropped by the worker that reads it.
 
-    The pool's size is bounded from the first batch on, not only once it has its buffers: a
-    worker makes a fresh buffer only with a *permit*, a token ``(_PERMIT, 0)`` in the same
-    pipe. The pool starts with as many permits as it may keep buffers; a permit becomes the
-    buffer made with it, or comes back when that batch is dropped (or was never sent). So
-    buffers and permits together never exceed the budget, and a worker that finds neither
-    waits for the consumer to drop a batch (the start of an epoch included), instead of adding
-    a batch of memory. A wait has a time limit (:data:`WAIT_FOR_BUFFER_S`), after which a
-    fresh segment is made anyway, as torch does; a permit lost with a killed worker only makes
-    the pool one buffer smaller. While workers wait, a freed buffer goes to the one loading the
-    earliest batch (:attr:`wants`): the consumer needs that batch first.
+    A permit is a token ``(_PERMIT, 0)`` in the same pipe. The pool starts with as many
+    permits as it may keep buffers; a permit becomes the buffer made with it, or comes back
+    when that batch is dropped (or was never sent), and the pool issues or retires permits as
+    its target moves. A permit lost with a killed worker only makes the pool one buffer
+    smaller. The order of waiting workers is :attr:`wants`.
     """
 
     def __init__(self, num_workers: int, raw_array: Callable[..., Any] | None = None) -> None:
@@ -189,7 +200,6 @@ class BufferPool:
         # close_inherited().
         self._ids: dict[int, tuple[int, int]] = {}
         self._nbytes = [0] * self.capacity
-        self._wanted = 0  # the largest buffer that found the pool full
         # The bytes of the last batch tensors received that are (or could be) in pool buffers:
         # the pool's target follows the biggest of them, so that neither a batch's small
         # tensors nor one outsized batch set the pool's size for good.
@@ -197,8 +207,6 @@ class BufferPool:
         self._freed: collections.deque[int] = collections.deque()
         # The outstanding entries whose batch went to the consumer (see _consumer_keeps).
         self._delivered: set[int] = set()
-        # A result carried more than one batch buffer (a dict of large tensors, say).
-        self._multi = False
         self._lock = threading.Lock()
         self._closed = False
         self._retry = False  # an announcement did not fit in a channel: send it again
@@ -272,32 +280,23 @@ class BufferPool:
         if state[self.capacity]:
             # Workers keep finding every buffer in use: keep one buffer more, up to
             # num_workers + 2 (a consumer whose step is as long as a batch's loading holds one
-            # while another waits for it, done). Past that only if the consumer holds more
-            # batches (a window of recent ones, say) or batches take several buffers each; not
-            # for waits the order of delivery makes anyway (a worker a batch ahead of the other
-            # waits for the other's batch to reach the consumer: the workers do not ask for
-            # those unless the consumer keeps batches, see WorkerEnd.acquire).
+            # while another waits for it, done). Past that only if the consumer holds two
+            # buffers or more: it keeps batches (a window of recent ones, say), or a batch takes
+            # several buffers. Not for waits the order of delivery makes anyway (a worker a
+            # batch ahead of the other waits for the other's batch to reach the consumer: the
+            # workers do not ask for those unless the consumer keeps buffers, see
+            # WorkerEnd.acquire).
             state[self.capacity] = 0
-            if (
-                self._multi
-                or len(used) + self._permits < self.num_workers + 2
-                or self._consumer_keeps()
-            ):
+            if len(used) + self._permits < self.num_workers + 2 or self._consumer_keeps():
                 self._allowed = min(
                     self.capacity, max(self._allowed, len(used) + self._permits + 1)
                 )
         # The target for the batches received lately. (A permit that turns into its buffer was
         # taken off _permits by adopt(). Batches bigger than before lower the target below what
         # the permits out add up to: the surplus is retired as permits come back, see
-        # hand_out.) The byte budget holds too, whatever the sizes of the buffers kept.
-        target = self._target(max(nbytes, self._need()))
-        pooled = sum(self._nbytes[s] for s in used)
-        if (
-            len(used) + self._permits >= target
-            or len(used) == self.capacity
-            or (len(used) >= self._allowed and pooled + nbytes > POOL_BYTES * self.num_workers)
-        ):
-            self._wanted = max(self._wanted, nbytes)
+        # hand_out.) The target is at most capacity, and no buffer joins that is smaller than
+        # one kept, so the buffers kept beyond num_workers + 1 fit in the byte budget.
+        if len(used) + self._permits >= self._target(max(nbytes, self._need())):
             return -1
         if used and nbytes < max(self._nbytes[s] for s in used):
             return -1  # a short last batch, say: keep the pool's buffers one size
@@ -314,14 +313,15 @@ class BufferPool:
         for ch in self.channels:
             self._announce(ch, slot)
         # Smaller batches: more buffers fit in the budget, so more may be made.
-        self._issue(target - len(used) - 1 - self._permits)
+        self._top_up(nbytes)
         return slot
 
     def _consumer_keeps(self) -> bool:
-        # Whether the consumer holds buffers of two delivered batches or more: it keeps batches
-        # besides the one it works on. Forgets the delivered batches dropped since (called with
-        # every delivery, this keeps _delivered to the batches alive). Finalisers pop
-        # outstanding entries on any thread: each step here is one atomic set operation.
+        # Whether the consumer holds two delivered buffers or more: it keeps batches besides
+        # the one it works on, or a batch takes several buffers. Forgets the delivered buffers
+        # dropped since (called with every delivery, this keeps _delivered to the buffers
+        # alive). Finalisers pop outstanding entries on any thread: each step here is one
+        # atomic set operation.
         outstanding = self.outstanding
         held = 0
         for entry in list(self._delivered):
@@ -372,15 +372,11 @@ class BufferPool:
         fd: int,
         tag: int,
         tensor_bytes: int,
-        pooled: int,
     ) -> int:
         """``storage`` (of descriptor ``fd``) arrived on ``channel``, holding a batch tensor of
-        ``tensor_bytes``, tagged ``tag`` by :meth:`WorkerEnd.tag_of` (not -1); ``pooled``: the
-        result's pool (or poolable) buffers so far, this one included. Adopts a fresh buffer or
-        not, and tracks the storage: its entry, for :meth:`delivered`."""
+        ``tensor_bytes``, tagged ``tag`` by :meth:`WorkerEnd.tag_of` (not -1). Adopts a fresh
+        buffer or not, and tracks the storage: its entry, for :meth:`delivered`."""
         self.offered(tensor_bytes)
-        if pooled > 1:
-            self._multi = True
         if tag in (_ADOPTABLE, _ADOPTABLE_PERMITTED):
             tag = self.adopt(channel, fd, storage.nbytes(), tag == _ADOPTABLE_PERMITTED)
         return self.track(storage, _UNKEPT if tag == -1 else tag)
@@ -454,19 +450,11 @@ class BufferPool:
                     # go, so that the pool's buffers follow its batches.
                     self._evict(s)
                     continue
-                if self._nbytes[s] < self._wanted:
-                    # Make room for a bigger one, once for each that was turned away: a single
-                    # outsized batch must not turn every buffer over from then on.
-                    self._evict(s)
-                    self._wanted = 0
-                    continue
                 state[s] = _SPARE
                 with contextlib.suppress(OSError):  # the pipe holds thousands: never full
                     os.write(self.tokens_w, _TOKEN.pack(s, self.gens[s]))
-            surplus = self._surplus()
-            if surplus < 0:
-                # Smaller batches than lately (after an outsized one, say): more may be made.
-                self._issue(-surplus)
+            # Smaller batches than lately (after an outsized one, say): more may be made.
+            self._top_up()
             if self._retry:  # announcements that did not fit in a channel before
                 self._retry = False
                 for ch in self.channels:
@@ -510,13 +498,17 @@ class BufferPool:
         self._nbytes[slot] = 0
         self.gens[slot] += 1
         self.state[slot] = _EMPTY
-        if self._surplus() < 0:
-            self._issue(1)
+        self._top_up()
 
-    def _surplus(self) -> int:
-        # Buffers and permits beyond the pool's target for the batches received lately.
+    def _surplus(self, nbytes: int = 0) -> int:
+        # Buffers and permits beyond the pool's target for the batches received lately (and
+        # one of nbytes).
         used = sum(fd >= 0 for fd in self._fds)
-        return used + self._permits - self._target(self._need())
+        return used + self._permits - self._target(max(nbytes, self._need()))
+
+    def _top_up(self, nbytes: int = 0) -> None:
+        # Issue the permits that bring the pool up to its target (see _surplus).
+        self._issue(-self._surplus(nbytes))
 
     def _remember(self, *fds: int) -> None:
         for fd in fds:

@@ -62,11 +62,10 @@ def _rebuild_inline_tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ..
 class _Receiving(threading.local):
     # Per thread, while loads_result runs: descriptors taken per (channel key, tag), the
     # storages rebuilt from them (views of one storage share it, as in the worker), and the
-    # pool entries tracked for the result with the number of its pool (or poolable) buffers.
+    # pool entries tracked for the result.
     fds: dict[tuple[int, int, int], list[int]] | None = None
     storages: dict[tuple[int, int, int, int], torch.UntypedStorage] | None = None
     tracked: list[tuple[BufferPool, int]] | None = None
-    pooled = 0
 
 
 _receiving = _Receiving()
@@ -103,11 +102,8 @@ def _rebuild_channel_tensor(
             raise
         storages[(key, *tag, slot)] = storage
         if pool is not None and pool_slot != -1:
-            _receiving.pooled += 1
             tensor_bytes = math.prod(shape) * dtype.itemsize
-            entry = pool.received(
-                channel, storage, fds[slot], pool_slot, tensor_bytes, _receiving.pooled
-            )
+            entry = pool.received(channel, storage, fds[slot], pool_slot, tensor_bytes)
             if _receiving.tracked is not None:
                 _receiving.tracked.append((pool, entry))
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
@@ -508,7 +504,6 @@ class PieceDecoder:
         self._tracked = tracked
         self._fds: dict[tuple[int, int, int], list[int]] = {}
         self._storages: dict[tuple[int, int, int, int], torch.UntypedStorage] = {}
-        self._pooled = 0
         self._unpickler: pickle.Unpickler | None = None
         self._data: bytes | None = None
         if in_pieces(data):
@@ -530,9 +525,9 @@ class PieceDecoder:
         the result is complete."""
         if self._left == 0:
             return True
-        outer = (_receiving.fds, _receiving.storages, _receiving.tracked, _receiving.pooled)
+        outer = (_receiving.fds, _receiving.storages, _receiving.tracked)
         _receiving.fds, _receiving.storages = self._fds, self._storages
-        _receiving.tracked, _receiving.pooled = self._tracked, self._pooled
+        _receiving.tracked = self._tracked
         try:
             deadline = time.perf_counter() + budget
             while True:
@@ -556,8 +551,7 @@ class PieceDecoder:
             self.close()
             raise
         finally:
-            self._pooled = _receiving.pooled
-            (_receiving.fds, _receiving.storages, _receiving.tracked, _receiving.pooled) = outer
+            _receiving.fds, _receiving.storages, _receiving.tracked = outer
 
     def close(self) -> None:
         """Close the descriptors taken (the storages hold duplicates of their own), and drop
@@ -589,14 +583,14 @@ def loads_result(data: bytes, tracked: list[tuple[BufferPool, int]] | None = Non
     # Buffers dropped since the last result go to workers now, whichever worker this result is
     # from: a worker's next batch finds a free buffer sooner.
     release_dropped()
-    outer = (_receiving.fds, _receiving.tracked, _receiving.pooled)
+    outer = (_receiving.fds, _receiving.tracked)
     _receiving.fds, _receiving.storages = {}, {}
-    _receiving.tracked, _receiving.pooled = tracked, 0
+    _receiving.tracked = tracked
     try:
         return pickle.loads(data)
     finally:
         taken = _receiving.fds
-        _receiving.fds, _receiving.tracked, _receiving.pooled = outer
+        _receiving.fds, _receiving.tracked = outer
         _receiving.storages = None
         for fds in taken.values():
             # The storages hold duplicates of their own.

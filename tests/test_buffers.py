@@ -591,15 +591,17 @@ def test_a_pool_grows_on_asking_to_one_more_buffer_and_past_that_for_kept_batche
         pool.state[grow] = 1
         assert pool.adopt(ch, fd, big) == 4
         assert pool.adopt(ch, fd, big) == -1  # one more, not more
-        # Batches that take several buffers each: the pool grows on asking as well.
+        # Batches that take several buffers each: the consumer holds two buffers of the one
+        # batch it works on, and the pool grows on asking as well.
         other, och = pools[1], channels[1]
         assert [other.adopt(och, fd, big, permitted=True) for _ in range(3)] == [0, 1, 2]
         other.state[grow] = 1
         assert other.adopt(och, fd, big) == 3
-        other._multi = True  # a result carried two of the pool's buffers
+        pair = [torch.UntypedStorage._new_shared_fd_cpu(fd, 64) for _ in range(2)]  # type: ignore[attr-defined]
+        other.delivered((other.track(pair[0], 0), other.track(pair[1], 1)))
         other.state[grow] = 1
         assert other.adopt(och, fd, big) == 4
-        del held
+        del held, pair
 
 
 def _delivered(data: bytes) -> torch.Tensor:
