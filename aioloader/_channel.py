@@ -62,8 +62,7 @@ class FdChannel:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the worker's end travels to a worker (spawn/forkserver pass the descriptor).
-        end = self.worker_side()
-        return (ChannelEnd, (end.key, end.sock, end.wid, end.shared))
+        return (ChannelEnd, (self.key, self.worker_end, self.wid, self.shared))
 
     def worker_side(self) -> ChannelEnd:
         """The worker's end of this channel (a forked worker inherits the whole channel and
