@@ -125,15 +125,37 @@ def _latencies(batch: dict[str, Any], now: float, warmup: int) -> list[float]:
     return (now - batch["t"][keep]).tolist()  # type: ignore[no-any-return]
 
 
+class _Rate:
+    """Events per second after the first batch (a loader's start-up is the ``startup``
+    workload's to measure, and torch's ``num_workers=0`` has none)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.events = 0
+
+    def batch(self, size: int) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        else:
+            self.events += size
+
+    def rate(self) -> float:
+        if self.first is None or not self.events:
+            return 0.0
+        return self.events / (time.perf_counter() - self.first)
+
+
 def _latencies_torch(
     n: int, rate: float | None, batch_size: int, warmup: int
 ) -> tuple[list[float], float]:
+    """Each counted event's latency, and events/s after the first batch."""
     loader = DataLoader(_Bridged(PacedSource(n, rate)), batch_size=batch_size, num_workers=0)
     lat: list[float] = []
-    start = time.perf_counter()
+    steady = _Rate()
     for batch in loader:
         lat += _latencies(batch, time.perf_counter(), warmup)
-    return lat, time.perf_counter() - start
+        steady.batch(len(batch["seq"]))
+    return lat, steady.rate()
 
 
 async def _latencies_aio(
@@ -155,10 +177,11 @@ async def _latencies_aio(
         transform=to_sample,
         transform_in=transform_in,
     ) as loader:
-        start = time.perf_counter()
+        steady = _Rate()
         async for batch in loader:
             lat += _latencies(batch, time.perf_counter(), warmup)
-        return lat, time.perf_counter() - start
+            steady.batch(len(batch["seq"]))
+        return lat, steady.rate()
 
 
 def pct(vals: list[float], q: float) -> float:
@@ -205,12 +228,12 @@ def measure_stream(
             metric = f"events/s, unpaced source, aioloader num_workers={aio_workers}"
             for name in ("torch", "aioloader"):
                 if name == "torch":
-                    _, took = _latencies_torch(n, None, batch_size, 0)
+                    _, per_s = _latencies_torch(n, None, batch_size, 0)
                 else:
-                    _, took = asyncio.run(
+                    _, per_s = asyncio.run(
                         _latencies_aio(n, None, batch_size, latency_s, aio_workers, 0)
                     )
-                add(metric, name, n / took)
+                add(metric, name, per_s)
             if aio_workers:
                 # The shape's limit: one round trip per batch through the same number of worker
                 # processes, the events' collated size (seq, time, 16 floats each) coming back.
