@@ -240,22 +240,16 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         )
         if num_workers > 0:
             check_prefetch_factor(torch_loader.prefetch_factor, num_workers)
-        _check_int("max_worker_restarts", max_worker_restarts, 0, None, "a non-negative int")
-        _check_executor(executor, num_workers, multiprocessing_context, worker_nice)
-        self.executor = executor
-        _check_worker_nice(worker_nice)
-        _check_int(
-            "device_prefetch",
-            device_prefetch,
-            1,
-            None,
-            "a positive int (batches kept ready on the device ahead of the consumer)",
+        _check_own_settings(
+            seeding=seeding,
+            worker_nice=worker_nice,
+            device_prefetch=device_prefetch,
+            max_worker_restarts=max_worker_restarts,
+            executor=executor,
+            num_workers=num_workers,
+            multiprocessing_context=multiprocessing_context,
         )
-        if seeding not in ("worker", "batch"):
-            raise ValueError(
-                f"seeding should be 'worker' (torch's: each worker seeded once) or 'batch' "
-                f"(seeded before every batch from the epoch and send_idx), got {seeding!r}"
-            )
+        self.executor = executor
         if (rank is None) != (world_size is None):
             raise ValueError("give both rank and world_size, or neither (then torch.distributed's)")
         if world_size is not None:
@@ -504,14 +498,17 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 "fetch_in='workers' fetches in the worker processes, and num_workers is now 0: "
                 "set num_workers > 0, or make the loader with fetch_in='loop'"
             )
-        # aioloader's own settings are plain attributes: checked here, as in the constructor.
+        # aioloader's own settings are plain attributes: checked here as in the constructor.
         seeding = self.seeding
-        if seeding not in ("worker", "batch"):
-            raise ValueError(f"seeding should be 'worker' or 'batch', got {seeding!r}")
-        _check_worker_nice(self.worker_nice)
-        _check_int("device_prefetch", self.device_prefetch, 1, None, "a positive int")
-        _check_int("max_worker_restarts", self.max_worker_restarts, 0, None, "a non-negative int")
-        _check_executor(self.executor, workers, self.multiprocessing_context, self.worker_nice)
+        _check_own_settings(
+            seeding=seeding,
+            worker_nice=self.worker_nice,
+            device_prefetch=self.device_prefetch,
+            max_worker_restarts=self.max_worker_restarts,
+            executor=self.executor,
+            num_workers=workers,
+            multiprocessing_context=self.multiprocessing_context,
+        )
         DeviceStage(pin_memory=False, device=self.device)  # checks the device
         stream = self._stream
         if stream is not None:
@@ -1132,6 +1129,35 @@ def _check_worker_nice(value: object) -> None:
         "an int from 0 (the main process's priority) to 19, 'idle' (SCHED_IDLE), or None "
         "(adaptive)",
     )
+
+
+def _check_own_settings(
+    *,
+    seeding: object,
+    worker_nice: object,
+    device_prefetch: object,
+    max_worker_restarts: object,
+    executor: object,
+    num_workers: int,
+    multiprocessing_context: object,
+) -> None:
+    """aioloader's own settable arguments (torch checks its own), by the constructor and again
+    by every epoch's plan: one place, one message each."""
+    _check_int("max_worker_restarts", max_worker_restarts, 0, None, "a non-negative int")
+    _check_executor(executor, num_workers, multiprocessing_context, worker_nice)
+    _check_worker_nice(worker_nice)
+    _check_int(
+        "device_prefetch",
+        device_prefetch,
+        1,
+        None,
+        "a positive int (batches kept ready on the device ahead of the consumer)",
+    )
+    if seeding not in ("worker", "batch"):
+        raise ValueError(
+            f"seeding should be 'worker' (torch's: each worker seeded once) or 'batch' "
+            f"(seeded before every batch from the epoch and send_idx), got {seeding!r}"
+        )
 
 
 def _check_executor(
