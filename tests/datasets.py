@@ -651,9 +651,15 @@ class SegfaultEveryDataset(RangeDataset):
 
 
 class SegfaultInTurnDataset(RangeDataset):
-    """Every sample segfaults; batches 0 and 1 (batch_size 2) take turns to fault first: batch 1
-    until the first fault (marker file ``marker``), batch 0 after it, the other one a second
-    later. So a restart after the first fault crashes on a different batch than the first."""
+    """Every sample segfaults, batch 1 first (batch_size 2): the first workers fault on batch 1
+    at once while batch 0 waits (they are stopped when the pool breaks), and their replacements
+    fault on batch 0 at once, batch 1 a second later. So a restart after the first fault crashes
+    on a different batch than the first.
+
+    Which workers a process belongs to is told by when it started against the first fault's time
+    (written to ``marker``), both on the clock of seconds since boot: a wall-clock race between
+    the first workers cannot move a fault into the wrong round.
+    """
 
     def __init__(self, n: int, marker: str) -> None:
         super().__init__(n)
@@ -662,11 +668,23 @@ class SegfaultInTurnDataset(RangeDataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         import ctypes
 
-        faulted_before = os.path.exists(self.marker)
-        if i // 2 == (1 if faulted_before else 0):
-            time.sleep(1.0)
-        with open(self.marker, "a"):
-            pass
+        def since_boot() -> float:
+            with open("/proc/uptime") as fh:
+                return float(fh.read().split()[0])
+
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        started = ticks / os.sysconf("SC_CLK_TCK")
+        try:
+            with open(self.marker) as fh:
+                replacement = started > float(fh.read())
+        except (FileNotFoundError, ValueError):
+            replacement = False
+        if i // 2 != (0 if replacement else 1):
+            time.sleep(1.0 if replacement else 30.0)
+        if not replacement:
+            with contextlib.suppress(FileExistsError), open(self.marker, "x") as fh:
+                fh.write(repr(since_boot()))
         ctypes.string_at(0)
         return super().__getitem__(i)
 
