@@ -139,7 +139,9 @@ class LoopLane:
             and plan.executor == "process"
         )
         self._closed = not ((plan.num_workers == 0 or workers_allow) and plan.seeding == "worker")
-        if plan.num_workers > 0:
+        if plan.num_workers > 0 and not self._closed:
+            # Only where a window may run here: it changes torch's get_worker_info for the
+            # whole process (see _threadworkers.install_thread_info).
             _threadworkers.install_thread_info()
         # This window's transform time so far; moving averages of the lane's own measures.
         self._spent = 0.0
