@@ -44,6 +44,7 @@ from . import _buffers, _codec, _worker
 from ._backend import Backend, Direct
 from ._consumer import Consumer
 from ._errors import EpochEndedError, LoaderTimeoutError, emfile_error
+from ._looplane import average
 from ._phase import TERMINAL, Phase
 from ._records import Counters, Failure, Flight, Host, Plan
 from ._recovery import Recovery, start_error, start_failure
@@ -516,9 +517,8 @@ class Epoch:
             last = self.window_cost
             size = len(flight.indices)
             self.window_cost = (
-                (res.busy_s, size)
-                if last is None
-                else (0.75 * last[0] + 0.25 * res.busy_s, 0.75 * last[1] + 0.25 * size)
+                average(None if last is None else last[0], res.busy_s),
+                average(None if last is None else last[1], size),
             )
         if flight.worker_id is not None:
             self.outstanding[flight.worker_id] -= 1

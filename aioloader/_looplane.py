@@ -56,7 +56,15 @@ from ._backend import Direct
 from ._records import Plan
 from ._worker import Samples
 
-__all__ = ("MAX_COLLATE_S", "MAX_SAMPLE_S", "MIN_IDLE", "STEP_S", "LaneSide", "LoopLane")
+__all__ = (
+    "MAX_COLLATE_S",
+    "MAX_SAMPLE_S",
+    "MIN_IDLE",
+    "STEP_S",
+    "LaneSide",
+    "LoopLane",
+    "average",
+)
 
 #: Most time per sample's transform for a window on the loop (a few fit in one step).
 MAX_SAMPLE_S = 250e-6
@@ -80,7 +88,8 @@ class LaneSide(Protocol):
     window_cost: tuple[float, float] | None
 
 
-def _average(last: float | None, value: float) -> float:
+def average(last: float | None, value: float) -> float:
+    """A moving average of a cost: the lane's own, and the workers' (``Epoch.window_cost``)."""
     return value if last is None else 0.75 * last + 0.25 * value
 
 
@@ -205,8 +214,8 @@ class LoopLane:
         # Moving averages, as the workers' measure: one slow window (a collection, a first
         # call) does not close the lane, a transform that grew dearer does.
         sample_s = self._spent / max(1, len(window))
-        self._sample_s = _average(self._sample_s, sample_s)
-        self._collate_s = _average(self._collate_s, collate_s)
+        self._sample_s = average(self._sample_s, sample_s)
+        self._collate_s = average(self._collate_s, collate_s)
         if self.windows >= 2 and (self._sample_s > MAX_SAMPLE_S or self._collate_s > MAX_COLLATE_S):
             self._closed = True  # dearer than the workers measured: later windows go to them
         self._spent = 0.0

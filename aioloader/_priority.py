@@ -204,6 +204,11 @@ def _runnable(fd: int) -> int:
     return 1 if stat[state : state + 1] == b"R" else 0
 
 
+def _run_queue_ns(fd: int) -> int:
+    """Nanoseconds the task whose ``schedstat`` file ``fd`` is has waited for a CPU so far."""
+    return int(os.pread(fd, 128, 0).split()[1])
+
+
 def may_raise_priority() -> bool:
     """Whether this process may lower a niceness it raised (``CAP_SYS_NICE``, or an
     ``RLIMIT_NICE`` soft limit of 20 or more, which allows nice 0)."""
@@ -376,7 +381,7 @@ class PriorityMonitor:
                 fd = self._queue_fds.get(pid)
                 if fd is None:
                     fd = self._queue_fds[pid] = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY)
-                wait_ns = int(os.pread(fd, 128, 0).split()[1])
+                wait_ns = _run_queue_ns(fd)
             except (OSError, ValueError, IndexError):
                 continue
             last = self._queued_ns.get(pid)
@@ -387,7 +392,7 @@ class PriorityMonitor:
 
     def _read_wait(self) -> int:
         try:
-            return int(os.pread(self._sched_fd, 128, 0).split()[1])
+            return _run_queue_ns(self._sched_fd)
         except (OSError, ValueError, IndexError):
             return self._wait_ns
 
