@@ -571,7 +571,7 @@ class WorkerFetcher:
         os.set_blocking(self._wake_w, False)
         self._loop = asyncio.new_event_loop()
         self._closed = False
-        self._abandoned = False
+        self._released = False
         self._thread = threading.Thread(target=self._run, name="aioloader-io", daemon=True)
         self._thread.start()
 
@@ -580,12 +580,22 @@ class WorkerFetcher:
         try:
             self._loop.run_forever()
         finally:
-            if self._closed and self._abandoned:
-                # close(timeout=0) stopped the loop without waiting: its descriptors are
-                # released here, by the thread itself.
+            # However the loop was stopped (close() without waiting, or after _shutdown ran
+            # past close()'s bound), no task is left pending in it: one destroyed later would
+            # be closed with no loop to run its clean-up, and the dataset's client would stay
+            # open. Bounded by _shutdown's own waits; a no-op after a finished _shutdown.
+            with contextlib.suppress(BaseException):
+                self._loop.run_until_complete(self._shutdown())
+            if self._closed:
                 self._release()
 
     def _release(self) -> None:
+        """Close the loop and the wake-up pipe, once: the thread itself or close(), whichever
+        comes last (a descriptor closed twice could close another owner's reuse of it)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
         with contextlib.suppress(Exception):
             self._loop.close()
         for fd in (self._wake_r, self._wake_w):
@@ -634,8 +644,8 @@ class WorkerFetcher:
     async def _guarded(self, coro: Any) -> Any:
         try:
             return await coro
-        except Exception:
-            raise
+        except (Exception, GeneratorExit):
+            raise  # GeneratorExit: the coroutine is being closed, not run by the loop
         except BaseException as exc:
             task = asyncio.current_task()
             if isinstance(exc, asyncio.CancelledError):
@@ -711,8 +721,9 @@ class WorkerFetcher:
         for fut in outstanding:  # a thread waiting for one of these returns now
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 fut.set_exception(RuntimeError("aioloader: the loader's workers were stopped"))
-        if timeout <= 0:  # nothing may wait: stop the loop where it stands
-            self._abandoned = True
+        if timeout <= 0:
+            # Nothing may wait: the loop stops where it stands and its thread cancels what is
+            # left, closes the client and releases the descriptors on its own (_run).
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._loop.stop)
             return
@@ -723,7 +734,8 @@ class WorkerFetcher:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
         if not self._thread.is_alive():
-            # Only now: a late wake-up could otherwise write into a reused descriptor.
+            # Only now: a late wake-up could otherwise write into a reused descriptor. A
+            # thread still running releases them itself when it ends.
             self._release()
 
     async def _shutdown(self) -> None:

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import default_collate
 
-from aioloader import AsyncDataLoader, FetchPolicy, is_transient
+from aioloader import AsyncDataLoader, FetchPolicy, _remote, is_transient
 from tests import remote_data as rd
 from tests.conftest import collect, torch_batches
 from tests.stream_sources import SyncRange
@@ -422,6 +426,47 @@ async def test_the_thread_executor_ends_at_once_with_a_request_that_never_answer
         async for _ in loader:
             break  # index 9's batch is in flight and never answers
         await loader.aclose()
+
+
+class _HangsWithClient(rd.WithClient):
+    """Index 1 never answers; every call needs the open client."""
+
+    async def answer(self, i: int) -> dict[str, Any]:
+        await super().answer(i)
+        if i == 1:
+            await asyncio.Event().wait()
+        return {}
+
+
+@pytest.mark.parametrize("timeout", [0.0, 5.0])
+def test_a_closed_fetcher_leaves_no_request_pending_and_closes_the_client(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    timeout: float,
+) -> None:
+    # close(timeout=0) is the thread executor's kill: it waits for nothing, yet the fetcher's
+    # own thread must still cancel the request that never answers and close the client; a
+    # task left pending in a closed loop is destroyed later, outside any loop.
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    log = str(tmp_path / "client.log")
+    ds = _HangsWithClient(4, log)
+    spec = _remote.InWorkers(ds, FetchPolicy(), 4, None)
+    fetcher = _remote.WorkerFetcher(spec, True, default_collate)
+    fetcher.start(0, [0, 1])
+    deadline = time.monotonic() + 10
+    while ds.running == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ds.running == 1  # index 1 waits; index 0 answered
+    fetcher.close(timeout)
+    fetcher._thread.join(10)
+    assert not fetcher._thread.is_alive()
+    gc.collect()
+    assert unraisable == []
+    assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
+    assert [line[0] for line in rd.log_lines(log)] == ["open", "close"]
+    assert ds.running == 0
 
 
 @pytest.mark.parametrize("executor", ["process", "thread"])
