@@ -7,6 +7,7 @@ warm-up batches; the rows keep every round so the report can take medians and ra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import statistics
@@ -245,7 +246,14 @@ def run_once(
         for batch in loader:
             timer.tick(batch)
         res = timer.result()
+        # SPDL's loader copies the dataset into a shared-memory segment that it never unlinks
+        # (the resource tracker then warns about it at exit): this run made it, so it ends it.
+        segment = getattr(loader, "_shmem", None)
         del loader
+        if segment is not None:
+            with contextlib.suppress(OSError):
+                segment.close()
+                segment.unlink()
     res.base_pss = base
     return res
 
