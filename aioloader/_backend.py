@@ -98,13 +98,15 @@ class Launcher(Protocol):
 class Direct:
     """A batch loaded in this process, or received from a worker and rebuilt here. ``value`` is
     the batch itself; ``buffers`` the pool buffers it holds (see
-    :func:`~aioloader._buffers.delivered`)."""
+    :func:`~aioloader._buffers.delivered`); ``pieces``: it was rebuilt in pieces, a batch of
+    many Python objects (see :mod:`aioloader._release`)."""
 
-    __slots__ = ("buffers", "value")
+    __slots__ = ("buffers", "pieces", "value")
 
-    def __init__(self, value: Any, buffers: tuple[Any, ...] = ()) -> None:
+    def __init__(self, value: Any, buffers: tuple[Any, ...] = (), pieces: bool = False) -> None:
         self.value = value
         self.buffers = buffers
+        self.pieces = pieces
 
 
 class ThreadBackend:

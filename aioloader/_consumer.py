@@ -33,6 +33,7 @@ from ._device import DeviceStage
 from ._errors import AioLoaderError, EpochEndedError, LoaderTimeoutError, WorkerCrashedError
 from ._phase import Phase
 from ._records import Counters, Failure, Plan
+from ._release import Releaser
 from ._tasks import start_task
 
 if TYPE_CHECKING:
@@ -124,6 +125,10 @@ class Consumer:
         self._received: int | None = None
         # Workers' errors raised this epoch (a start-up error is raised at the end otherwise).
         self._raised: set[_worker.RemoteError] = set()
+        # Batches of many Python objects are freed a step at a time once the loop body lets
+        # go of them (_release); _pieces: the batch _decode returned last is one.
+        self._releaser = Releaser()
+        self._pieces = False
 
     # --------------------------------------------------------------------- worker choice
 
@@ -181,6 +186,7 @@ class Consumer:
     def on_end(self, reason: BaseException | None) -> None:
         """The epoch ended: wake a consumer waiting on the device stage with ``reason``."""
         self._last_delivered = None
+        self._releaser.end()
         for task in (self._feed_task, self._finish_task):
             if task is not None and not task.done():
                 task.cancel()
@@ -265,6 +271,7 @@ class Consumer:
             raise
         except StopAsyncIteration:
             self._done = True
+            self._releaser.end()
             if ep.acks is not None and not ep.terminal:
                 await self._flush_acks()
             try:
@@ -310,6 +317,8 @@ class Consumer:
         self._check_iterable_len()
         if self._stage is not None:
             self._last_delivered = value
+        else:
+            self._releaser.delivered(value, self._pieces)
         return value
 
     def _buffered(self) -> bool:
@@ -462,8 +471,11 @@ class Consumer:
         res: _worker.Result = item
         data = res.data
         value: Any
+        self._pieces = False
         if isinstance(data, Direct):
             value = data.value
+            # Not with pool buffers: the pool reads how long the consumer keeps them.
+            self._pieces = data.pieces and not data.buffers
             if data.buffers:
                 # The pool tells a consumer that keeps batches from waits it would not cure.
                 _buffers.delivered(data.buffers)

@@ -631,7 +631,8 @@ class Rebuild:
                 self.decoder = _codec.PieceDecoder(res.data, self.buffers)
             if not self.decoder.step(budget):
                 return None
-            return res._replace(data=Direct(self.decoder.value, tuple(self.buffers)))
+            value, self.decoder.value = self.decoder.value, None  # the batch's one reference
+            return res._replace(data=Direct(value, tuple(self.buffers), pieces=True))
         except (OSError, RuntimeError, EOFError) as exc:
             # At the descriptor limit, receiving a batch's fd fails with EMFILE, or with
             # multiprocessing's "received 0 items of ancdata" when the fd was dropped.

@@ -217,9 +217,17 @@ _private: Any = _process
 #: task, and a task further back can still be cancelled without ever reaching the worker.
 LANE_DEPTH = 2
 
-#: Bytes read from a result pipe per read (a pipe holds 64 KiB; one allocation under malloc's
-#: mmap threshold).
+#: A lane's result buffer grows by at least this much at a time (a default pipe holds 64 KiB).
 _READ_SIZE = 1 << 16
+
+#: Bytes a lane reads from its result pipe per callback, at most: other callbacks get their
+#: turn (about 0.1 ms of copying on the 2-core VM). A frame may take several callbacks.
+_READ_BUDGET = 1 << 18
+
+#: A lane's result buffer, once empty, shrinks back to this size.
+_KEEP_SIZE = 1 << 20
+
+_LONG_HEAD = 4 + 8  # _FRAME.size + _FRAME_LONG.size
 
 
 class _Dumper:
@@ -292,7 +300,9 @@ class Lane:
         # post has no future.
         self._queued: collections.deque[tuple[int, Future[Any] | None, bytes]] = collections.deque()
         self._out = bytearray()  # framed bytes not yet written to the call pipe
-        self._in = bytearray()  # bytes read from the result pipe, not yet a whole frame
+        # Bytes read from the result pipe, not yet a whole frame: the first _filled of _in.
+        self._in = bytearray()
+        self._filled = 0
         self._dumper = _Dumper()  # the loop's: tasks are pickled on it only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writing = False
@@ -431,58 +441,98 @@ class Lane:
         self._flush()
 
     def _on_readable(self) -> None:
+        # Read straight into one kept buffer and load each whole frame from a view of it: a
+        # batch of Python objects is a frame of hundreds of KiB, and every copy of it (a read
+        # into a new bytes object, a slice) costs the loop fresh pages as well as the copying.
         fd = self.result_r.fileno()
         buf = self._in
-        for _ in range(64):  # at most 4 MiB per call: other callbacks get their turn
-            try:
-                chunk = os.read(fd, _READ_SIZE)
-            except BlockingIOError:
-                break
-            except OSError:
-                chunk = b""
-            if not chunk:
+        filled = self._filled
+        budget = _READ_BUDGET
+        while budget > 0:
+            if filled == len(buf):
+                need = self._frame_end(buf, filled)
+                # Grow to the frame under way (its length is known once its header is in),
+                # or by a read's worth.
+                buf = self._resized(buf, filled + max(need - filled, _READ_SIZE))
+            with memoryview(buf) as view, view[filled:] as free:
+                try:
+                    n = os.readv(fd, [free])
+                except BlockingIOError:
+                    break
+                except OSError:
+                    n = 0
+            if n == 0:
                 # Every write end is closed: the worker is gone (its death is handled by the
                 # manager thread and the owner's sentinel watch, not here).
                 self.detach()
                 break
-            buf += chunk
-            if len(chunk) < _READ_SIZE:
-                break
-        frames: list[bytes] = []
-        pos, end = 0, len(buf)
-        while end - pos >= _FRAME.size:
-            (n,) = _FRAME.unpack_from(buf, pos)
-            head = _FRAME.size
-            if n == -1:
-                if end - pos < head + _FRAME_LONG.size:
-                    break
-                (n,) = _FRAME_LONG.unpack_from(buf, pos + head)
-                head += _FRAME_LONG.size
-            if end - pos - head < n:
-                break
-            frames.append(bytes(buf[pos + head : pos + head + n]))
-            pos += head + n
-        if pos:
-            del buf[:pos]
+            filled += n
+            budget -= n
+            if filled < len(buf):
+                break  # the pipe is empty for now
+        pos = 0
         interrupt: BaseException | None = None
-        for frame in frames:
-            try:
-                self._complete(frame)
-            except BaseException as exc:  # a ^C on the loop thread: raised once all are done
-                interrupt = interrupt or exc
-        if frames:
+        completed = False
+        with memoryview(buf) as view:
+            while True:
+                end = self._frame_end(view, filled, pos)
+                if end > filled:
+                    break
+                head = _FRAME.size if _FRAME.unpack_from(view, pos)[0] != -1 else _LONG_HEAD
+                with view[pos + head : end] as frame:
+                    try:
+                        self._complete(frame)
+                    except BaseException as exc:  # a ^C on the loop thread: raised at the end
+                        interrupt = interrupt or exc
+                completed = True
+                pos = end
+        if pos:
+            # The rest (a frame under way) moves to the front; a buffer grown for one large
+            # frame goes back to the usual size once empty.
+            rest = filled - pos
+            buf[:rest] = buf[pos:filled]
+            filled = rest
+            if not filled and len(buf) > _KEEP_SIZE:
+                self._resized(buf, _KEEP_SIZE)
+        self._filled = filled
+        if completed:
             self._pump()
         if interrupt is not None:
             raise interrupt
 
-    def _complete(self, frame: bytes) -> None:
+    def _resized(self, buf: bytearray, size: int) -> bytearray:
+        """``buf`` (``self._in``) grown or cut to ``size`` bytes."""
+        try:
+            if size > len(buf):
+                buf.extend(bytes(size - len(buf)))
+            else:
+                del buf[size:]
+        except BufferError:  # a view of it outlived its frame (an error's traceback): copy
+            buf = bytearray(buf[:size]) + bytes(max(0, size - len(buf)))
+            self._in = buf
+        return buf
+
+    @staticmethod
+    def _frame_end(buf: bytearray | memoryview, filled: int, pos: int = 0) -> int:
+        """Where the frame starting at ``pos`` ends, or a bound past ``filled`` while its header
+        is incomplete."""
+        if filled - pos < _FRAME.size:
+            return pos + _LONG_HEAD + 1 if filled > pos else filled + 1
+        n = int(_FRAME.unpack_from(buf, pos)[0])
+        if n != -1:
+            return pos + _FRAME.size + n
+        if filled - pos < _LONG_HEAD:
+            return pos + _LONG_HEAD + 1
+        return pos + _LONG_HEAD + int(_FRAME_LONG.unpack_from(buf, pos + _FRAME.size)[0])
+
+    def _complete(self, frame: memoryview) -> None:
         (work_id,) = _WORK_ID.unpack_from(frame)
         with self._lock:
             fut = self._pending.pop(work_id, None)
         if fut is None:
             return  # failed meanwhile (the pool broke or was killed)
         try:
-            exc, value = pickle.loads(memoryview(frame)[_WORK_ID.size :])
+            exc, value = pickle.loads(frame[_WORK_ID.size :])
         except BaseException as err:
             # A result that cannot be rebuilt here fails its task alone; popped above, the
             # future is completed here or never. A ^C or SystemExit still reaches the loop.
@@ -573,6 +623,7 @@ class Lane:
                 conn.close()
         self._out.clear()
         self._in.clear()
+        self._filled = 0
 
 
 #: A result pipe holds this much (Linux; the default 64 KiB elsewhere or where refused). A batch

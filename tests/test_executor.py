@@ -878,6 +878,50 @@ async def test_lane_posts_run_in_order_with_tasks_and_send_nothing_back() -> Non
     assert not ex.post(_note, 4)  # shut down: nothing is sent
 
 
+def _payload_of(size: int) -> bytes:
+    return bytes(range(256)) * (size // 256) + bytes(size % 256)
+
+
+class _FailsToLoad:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse, ())
+
+
+def _refuse() -> None:
+    raise ValueError("this result cannot be rebuilt")
+
+
+def _failing_result() -> _FailsToLoad:
+    return _FailsToLoad()
+
+
+async def test_lane_results_of_every_size_arrive_whole_and_in_order() -> None:
+    """Results read from one kept buffer, a bounded stretch per callback: frames smaller and
+    larger than a read, several in the pipe at once, one that spans callbacks, and one that
+    fails to load between them all arrive as sent; the buffer shrinks back afterwards."""
+    from aioloader import _procpool
+
+    sizes = [0, 1, (1 << 16) - 7, 1 << 16, (1 << 18) + 3, 3 << 20, 5, (1 << 20) + 1, 17]
+    ex = Executor(max_workers=1, mp_context=multiprocessing.get_context("fork"), lane=True)
+    ex.start_workers()
+    try:
+        async with asyncio.timeout(60):
+            futs = [ex.submit(_payload_of, n) for n in sizes[:5]]
+            futs.append(ex.submit(_failing_result))
+            futs += [ex.submit(_payload_of, n) for n in sizes[5:]]
+            got = [await asyncio.wrap_future(f) for f in futs[:5]]
+            with pytest.raises(ValueError, match="cannot be rebuilt"):
+                await asyncio.wrap_future(futs[5])
+            got += [await asyncio.wrap_future(f) for f in futs[6:]]
+            assert [len(g) for g in got] == sizes
+            assert got == [_payload_of(n) for n in sizes]
+            lane = ex._lane
+            assert lane is not None
+            assert lane._filled == 0 and len(lane._in) <= _procpool._KEEP_SIZE
+    finally:
+        await asyncio.to_thread(ex.shutdown, True)
+
+
 def test_a_fork_during_another_threads_pipe_close_leaves_the_new_worker_alone() -> None:
     """A worker forked while another thread is inside ``Connection.close()`` of another
     executor's pipe end (Lane.started closing its worker's ends, as two epochs' pools start at
