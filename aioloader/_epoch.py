@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import heapq
 import logging
 import math
 import threading
@@ -151,6 +152,12 @@ class Epoch:
         self._cleanup_task: asyncio.Task[None] | None = None
         self._guard_task: asyncio.Task[None] | None = None
         self._ended = asyncio.Event()
+        # Batches of Python objects waiting to be rebuilt on the loop, lowest send_idx first,
+        # by one callback per loop turn (_rebuild_turn): however many arrive together, the
+        # loop spends one step's budget on them per turn, not one step per batch.
+        self._rebuilds: list[tuple[int, int, int, Future[Any], Rebuild]] = []
+        self._rebuild_seq = 0
+        self._rebuild_queued = False
 
     def __repr__(self) -> str:
         return f"<Epoch {self.epoch_no} {self.phase.value}>"
@@ -309,6 +316,7 @@ class Epoch:
         self.phase = phase
         self._decide_backend_fate()
         self.consumer.close_nowait()
+        self._drop_rebuilds()
         backend, self.backend = self.backend, None
         if backend is not None and self.owns_backend:
             backend.kill_sync()
@@ -331,6 +339,7 @@ class Epoch:
         except Exception:  # releasing the workers below matters more
             _logger.exception("aioloader: stopping the device stage failed")
         self.reorder.drain()  # decoded batches: dropping them frees their shared memory
+        self._drop_rebuilds()
         try:
             await self._release_backend()
         except asyncio.CancelledError as exc:
@@ -460,11 +469,11 @@ class Epoch:
             # step at a time (a thread would hold the GIL, and so the loop, throughout).
             received = receive(f, stepwise=True)
             if type(received) is Rebuild:
+                if threading.get_ident() == loop_thread:
+                    self._queue_rebuild(send_idx, gen, f, received)
+                    return
                 with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
-                    if threading.get_ident() == loop_thread:
-                        loop.call_soon(self._rebuild_step, send_idx, gen, f, received)
-                    else:
-                        loop.call_soon_threadsafe(self._rebuild_step, send_idx, gen, f, received)
+                    loop.call_soon_threadsafe(self._queue_rebuild, send_idx, gen, f, received)
                 return
             with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
                 if threading.get_ident() == loop_thread:
@@ -476,20 +485,49 @@ class Epoch:
 
         fut.add_done_callback(done)
 
-    def _rebuild_step(self, send_idx: int, gen: int, fut: Future[Any], rebuild: Rebuild) -> None:
-        """Rebuild a batch in pieces for one step; again later, or hand it on once complete."""
+    def _queue_rebuild(self, send_idx: int, gen: int, fut: Future[Any], rebuild: Rebuild) -> None:
+        """A batch in pieces arrived: rebuild it in the loop's coming turns. Runs on the loop."""
         if self.terminal or gen != self.generation:
             rebuild.close()  # ended, or resubmitted to replacement workers
             return
-        received = rebuild.step(_codec.DECODE_STEP_S)
-        if received is None:
+        self._rebuild_seq += 1
+        heapq.heappush(self._rebuilds, (send_idx, gen, self._rebuild_seq, fut, rebuild))
+        if not self._rebuild_queued:
+            self._rebuild_queued = True
+            asyncio.get_running_loop().call_soon(self._rebuild_turn)
+
+    def _rebuild_turn(self) -> None:
+        """Rebuild queued batches for one step's budget, the one the consumer needs first
+        first, handing each on once complete; again next turn while any is left. One batch at
+        a time also keeps few half-built ones alive: the garbage collector's young generation,
+        which it walks every few hundred new containers, holds less."""
+        self._rebuild_queued = False
+        rebuilds = self._rebuilds
+        deadline = time.perf_counter() + _codec.DECODE_STEP_S
+        while rebuilds:
+            send_idx, gen, _, fut, rebuild = rebuilds[0]
+            if self.terminal or gen != self.generation:
+                heapq.heappop(rebuilds)
+                rebuild.close()  # ended, or resubmitted to replacement workers
+                continue
+            received = rebuild.step(max(0.0, deadline - time.perf_counter()))
+            if received is None:
+                break  # the budget is spent
+            heapq.heappop(rebuilds)
+            self._on_done(send_idx, gen, fut, received)
+            if time.perf_counter() >= deadline:
+                break
+        if rebuilds:
+            self._rebuild_queued = True
             with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
                 # Behind every callback ready now: a service's requests run between the steps.
-                asyncio.get_running_loop().call_soon(
-                    self._rebuild_step, send_idx, gen, fut, rebuild
-                )
-            return
-        self._on_done(send_idx, gen, fut, received)
+                asyncio.get_running_loop().call_soon(self._rebuild_turn)
+
+    def _drop_rebuilds(self) -> None:
+        """Give back what unfinished rebuilds hold (the epoch is over)."""
+        rebuilds, self._rebuilds = self._rebuilds, []
+        for *_, rebuild in rebuilds:
+            rebuild.close()
 
     def _on_done(self, send_idx: int, gen: int, fut: Future[Any], received: Any) -> None:
         if self.terminal or gen != self.generation or fut.cancelled():

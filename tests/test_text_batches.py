@@ -217,6 +217,10 @@ async def test_text_batches_match_torch_and_let_the_loop_run_between_pieces(
         for a, b in itertools.pairwise(positions):
             # The loop ran another callback (the ticker) between two steps of a batch.
             assert any(kind == "tick" for kind, _ in events[a + 1 : b])
+    # Nor do batches that arrived together each take a step in the same loop turn: one step's
+    # budget per turn, whichever batches are waiting.
+    kinds = [kind for kind, _ in events]
+    assert all(a != "step" or b != "step" for a, b in itertools.pairwise(kinds))
 
 
 async def test_mixed_batches_match_torch_through_shared_memory(
