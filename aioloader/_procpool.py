@@ -222,7 +222,7 @@ _READ_SIZE = 1 << 16
 
 #: Bytes a lane reads from its result pipe per callback, at most: other callbacks get their
 #: turn (about 0.1 ms of copying on the 2-core VM). A frame may take several callbacks.
-_READ_BUDGET = 1 << 18
+_READ_BUDGET = 1 << 17
 
 #: A lane's result buffer, once empty, shrinks back to this size.
 _KEEP_SIZE = 1 << 20

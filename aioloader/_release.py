@@ -26,6 +26,10 @@ from typing import Any
 
 from . import _codec
 
+#: The loop frees for at most about this long per turn: half a rebuild step, since nothing
+#: waits for the freeing and the same turn may hold a rebuild step and a pipe read.
+RELEASE_STEP_S = _codec.DECODE_STEP_S / 2
+
 #: A flat list (of strings, numbers) shorter than this is freed whole, in 40 us or less on the
 #: 2-core VM; a longer one loses this many elements per slice.
 _CHUNK = 4096
@@ -91,7 +95,7 @@ class Releaser:
         work = self._work
         while self._pending:
             self._take(self._pending.pop(), first=True)
-        deadline = time.perf_counter() + _codec.DECODE_STEP_S
+        deadline = time.perf_counter() + RELEASE_STEP_S
         while work:
             container = work[-1]
             if not container:
