@@ -351,11 +351,12 @@ PIECE_OBJECTS = 2048
 #: Results estimated to hold fewer objects than this are pickled in one piece, as before.
 SPLIT_MIN_OBJECTS = 2 * PIECE_OBJECTS
 
-#: The main process's loop rebuilds pieces of a result for at most about this long per turn
-#: before it lets its other callbacks run (plus the piece under way when the time is up). The
-#: `text` workload on the quiet 2-core VM, three runs each: loop-lag p90 4.3-5.1 ms at 0.5 ms,
-#: 3.5-3.9 at 0.2 and 3.4-3.7 at 0.1, the same throughput.
-DECODE_STEP_S = 0.0002
+#: The main process's loop rebuilds pieces of results for at most about this long per turn,
+#: all waiting batches together, before it lets its other callbacks run (plus the piece under
+#: way when the time is up). The `text` workload on the quiet 2-core VM, three runs each,
+#: alternating: loop-lag p99 1.05-1.09 ms at 0.15 ms and 1.08-1.16 at 0.2, at the same
+#: throughput (workers at SCHED_IDLE, batches freed stepwise, see _release).
+DECODE_STEP_S = 0.00015
 
 #: Containers nested deeper than this are pieces of their own, whatever their size.
 _SPLIT_DEPTH = 4
