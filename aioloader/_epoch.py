@@ -492,9 +492,19 @@ class Epoch:
             return
         self._rebuild_seq += 1
         heapq.heappush(self._rebuilds, (send_idx, gen, self._rebuild_seq, fut, rebuild))
-        if not self._rebuild_queued:
-            self._rebuild_queued = True
-            asyncio.get_running_loop().call_soon(self._rebuild_turn)
+        self._queue_rebuild_turn()
+
+    def _queue_rebuild_turn(self) -> None:
+        if self._rebuild_queued:
+            return
+        loop = self.loop
+        if loop is None:
+            return
+        self._rebuild_queued = True
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+            # Behind every callback ready now: a service's requests run between the steps.
+            # On the epoch's own loop: a stale result can reach a later loop of this thread.
+            loop.call_soon(self._rebuild_turn)
 
     def _rebuild_turn(self) -> None:
         """Rebuild queued batches for one step's budget, the one the consumer needs first
@@ -503,13 +513,17 @@ class Epoch:
         which it walks every few hundred new containers, holds less."""
         self._rebuild_queued = False
         rebuilds = self._rebuilds
+        if self.terminal or any(entry[1] != self.generation for entry in rebuilds):
+            # Ended, or resubmitted to replacement workers: every stale one gives back its
+            # descriptors now, not when it reaches the top.
+            self._rebuilds = rebuilds = [e for e in rebuilds if not self._stale(e)]
+            heapq.heapify(rebuilds)
         deadline = time.perf_counter() + _codec.DECODE_STEP_S
         while rebuilds:
-            send_idx, gen, _, fut, rebuild = rebuilds[0]
-            if self.terminal or gen != self.generation:
+            if self._stale(rebuilds[0]):  # _on_done below may end the epoch, or bump gen
                 heapq.heappop(rebuilds)
-                rebuild.close()  # ended, or resubmitted to replacement workers
                 continue
+            send_idx, gen, _, fut, rebuild = rebuilds[0]
             received = rebuild.step(max(0.0, deadline - time.perf_counter()))
             if received is None:
                 break  # the budget is spent
@@ -518,10 +532,13 @@ class Epoch:
             if time.perf_counter() >= deadline:
                 break
         if rebuilds:
-            self._rebuild_queued = True
-            with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
-                # Behind every callback ready now: a service's requests run between the steps.
-                asyncio.get_running_loop().call_soon(self._rebuild_turn)
+            self._queue_rebuild_turn()
+
+    def _stale(self, entry: tuple[int, int, int, Future[Any], Rebuild]) -> bool:
+        if self.terminal or entry[1] != self.generation:
+            entry[4].close()
+            return True
+        return False
 
     def _drop_rebuilds(self) -> None:
         """Give back what unfinished rebuilds hold (the epoch is over)."""

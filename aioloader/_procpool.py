@@ -490,7 +490,8 @@ class Lane:
             # The rest (a frame under way) moves to the front; a buffer grown for one large
             # frame goes back to the usual size once empty.
             rest = filled - pos
-            buf[:rest] = buf[pos:filled]
+            with memoryview(buf) as view:
+                view[:rest] = view[pos:filled]  # a memmove: no copy of the rest on the side
             filled = rest
             if not filled and len(buf) > _KEEP_SIZE:
                 self._resized(buf, _KEEP_SIZE)
@@ -622,7 +623,7 @@ class Lane:
             with contextlib.suppress(OSError):
                 conn.close()
         self._out.clear()
-        self._in.clear()
+        self._in = bytearray()  # not clear(): that would fail while a view of it is alive
         self._filled = 0
 
 

@@ -35,16 +35,17 @@ RELEASE_STEP_S = _codec.DECODE_STEP_S / 2
 _CHUNK = 4096
 
 
-class _Probe:
-    def take(self, item: Any) -> int:
-        return sys.getrefcount(item)
+def _local_sole() -> int:
+    x = object()
+    return sys.getrefcount(x)
 
 
-# What sys.getrefcount reads inside a method for an argument that nothing but the call refers
-# to, handed over the way Releaser._take gets its items (an element just popped from a list).
-# Measured rather than assumed: it differs between Python versions. Too high a figure would
-# let the releaser empty a container someone else still holds, so it is checked too.
-_SOLE = _Probe().take([object()].pop())
+# What sys.getrefcount reads for an object that nothing but one local variable refers to:
+# every check below is made on such a local, with no Python call between (an argument's count
+# depends on how the call was made: a frame-evaluation hook such as torch.compile's adds one).
+# Measured rather than assumed, as it differs between Python versions (2 up to 3.13). Too high
+# a figure would let the releaser empty a container someone else still holds, so it is checked.
+_SOLE = _local_sole()
 if not 1 <= _SOLE <= 2:  # pragma: no cover - an interpreter that counts differently
     _SOLE = 0  # never sure: nothing is emptied, every batch is freed the ordinary way
 
@@ -97,39 +98,44 @@ class Releaser:
     def _step(self) -> None:
         self._queued = False
         work = self._work
-        while self._pending:
-            self._take(self._pending.pop(), first=True)
+        pending = self._pending
+        while pending:
+            batch = pending.pop()
+            # Its references: ``batch`` alone, if the loop body has let go of it.
+            if type(batch) in (list, dict) and sys.getrefcount(batch) <= _SOLE:
+                work.append(batch)
+                self.released += 1
+            else:
+                self.kept += 1
+            del batch  # still referenced elsewhere: that owner frees it
         deadline = time.perf_counter() + RELEASE_STEP_S
         while work:
             container = work[-1]
             if not container:
                 work.pop()
-            elif type(container) is dict:
-                self._take(container.popitem()[1])
-            elif len(container) > _CHUNK and not _nested(container[-1]):
-                del container[-_CHUNK:]
+                continue
+            if type(container) is dict:
+                item = container.popitem()[1]
+            elif len(container) > _CHUNK and type(container[-1]) not in _CONTAINERS:
+                del container[-_CHUNK:]  # a long flat list: a slice at a time
+                item = None
             else:
-                self._take(container.pop())
+                item = container.pop()
             del container
+            # Emptied in turn if that is worth it and ``item`` is its only reference; otherwise
+            # freed (or, held elsewhere, let go) here.
+            if _worth(item) and sys.getrefcount(item) <= _SOLE:
+                work.append(item)
+            del item
             if time.perf_counter() >= deadline:
                 break
         if work:
             self._queue()
 
-    def _take(self, item: Any, first: bool = False) -> None:
-        """``item``, a batch let go by the loop body (``first``) or an element just removed from
-        a container being emptied: emptied in turn if that is worth it and nothing else refers
-        to it; otherwise freed (or let go) when this returns."""
-        if first:
-            worth = type(item) in (list, dict)
-        else:
-            worth = (_nested(item) and len(item) > 1) or (type(item) is list and len(item) > _CHUNK)
-        sole = worth and sys.getrefcount(item) <= _SOLE
-        if sole:
-            self._work.append(item)
-        if first:
-            self.released += sole
-            self.kept += not sole
+
+def _worth(obj: Any) -> bool:
+    """Whether emptying ``obj`` stepwise pays: a list or dict of containers, or a long list."""
+    return (_nested(obj) and len(obj) > 1) or (type(obj) is list and len(obj) > _CHUNK)
 
 
 def _nested(obj: Any) -> bool:

@@ -621,7 +621,13 @@ class WorkerFetcher:
                     fut.set_result(task.result())
 
         def begin() -> None:
-            if fut.set_running_or_notify_cancel():
+            with self._lock:
+                # close() marks the fetcher closed under this lock before it settles what is
+                # outstanding: a request it settled is never started (nor is it an error).
+                if self._closed:
+                    return
+                running = fut.set_running_or_notify_cancel()
+            if running:
                 self._loop.create_task(self._guarded(make())).add_done_callback(settle)
 
         with self._lock:

@@ -138,3 +138,50 @@ async def test_an_epoch_of_text_batches_is_freed_by_the_releaser() -> None:
     (rel,) = made
     # Every batch but the last (still bound to the loop variable at the end) was ours alone.
     assert rel.released == 19 and rel.kept == 1
+
+
+async def test_a_list_of_lists_is_emptied_one_list_at_a_time(monkeypatch: Any) -> None:
+    # Only a flat list loses a slice per step: a slice of a list of lists would free
+    # thousands of strings at once.
+    monkeypatch.setattr(_release, "_CHUNK", 100)
+    monkeypatch.setattr(_release, "RELEASE_STEP_S", 0.0)
+    rel = _release.Releaser()
+    steps = 0
+    step = rel._step
+
+    def counted() -> None:
+        nonlocal steps
+        steps += 1
+        step()
+
+    rel._step = counted  # type: ignore[method-assign]
+    rel.delivered({"tokens": [[str(j) for j in range(30)] for _ in range(600)]}, heavy=True)
+    rel.delivered(None, heavy=False)
+    await _turns(1000)
+    assert rel.released == 1 and not rel._work
+    assert steps >= 600
+
+
+def test_the_sole_owner_count_holds_under_a_frame_evaluation_hook() -> None:
+    # torch.compile installs a frame-evaluation hook (PEP 523) for the whole interpreter; a
+    # call then hands its arguments over with one more reference. The releaser's checks are on
+    # plain locals, which read the same either way.
+    from torch._C._dynamo import eval_frame
+
+    async def held_batch_survives() -> int:
+        rel = _release.Releaser()
+        batch = _text_batch(0, samples=8, strings=100)
+        rel.delivered(batch, heavy=True)
+        rel.delivered(None, heavy=False)
+        await _turns(20)
+        assert rel.kept == 1
+        return len(batch)
+
+    prior = eval_frame.set_eval_frame(False)
+    try:
+        sole = _release._local_sole()
+        survived = asyncio.run(held_batch_survives())
+    finally:
+        eval_frame.set_eval_frame(prior)
+    assert sole == _release._SOLE
+    assert survived == 8

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import logging
 import sys
 import time
 from pathlib import Path
@@ -467,6 +468,23 @@ def test_a_closed_fetcher_leaves_no_request_pending_and_closes_the_client(
     assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
     assert [line[0] for line in rd.log_lines(log)] == ["open", "close"]
     assert ds.running == 0
+
+
+@pytest.mark.parametrize("timeout", [0.0, 5.0])
+def test_a_request_settled_by_close_before_it_started_is_not_an_error(
+    caplog: pytest.LogCaptureFixture, timeout: float
+) -> None:
+    ds = rd.Latent(8)
+    fetcher = _remote.WorkerFetcher(
+        _remote.InWorkers(ds, FetchPolicy(), 4, None), True, default_collate
+    )
+    fetcher._loop.call_soon_threadsafe(time.sleep, 0.2)  # the io loop is busy for a moment
+    fetcher.start(0, [0, 1])  # its request is queued behind that
+    fetcher.close(timeout)  # and settled before it starts
+    fetcher._thread.join(10)
+    assert not fetcher._thread.is_alive()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert ds.calls == {}
 
 
 @pytest.mark.parametrize("executor", ["process", "thread"])
