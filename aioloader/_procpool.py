@@ -450,7 +450,7 @@ class Lane:
         budget = _READ_BUDGET
         while budget > 0:
             if filled == len(buf):
-                need = self._frame_end(buf, filled)
+                need = self._frame_bounds(buf, filled)[1]
                 # Grow to the frame under way (its length is known once its header is in),
                 # or by a read's worth.
                 buf = self._resized(buf, filled + max(need - filled, _READ_SIZE))
@@ -475,11 +475,10 @@ class Lane:
         completed = False
         with memoryview(buf) as view:
             while True:
-                end = self._frame_end(view, filled, pos)
+                start, end = self._frame_bounds(view, filled, pos)
                 if end > filled:
                     break
-                head = _FRAME.size if _FRAME.unpack_from(view, pos)[0] != -1 else _LONG_HEAD
-                with view[pos + head : end] as frame:
+                with view[start:end] as frame:
                     try:
                         self._complete(frame)
                     except BaseException as exc:  # a ^C on the loop thread: raised at the end
@@ -514,17 +513,19 @@ class Lane:
         return buf
 
     @staticmethod
-    def _frame_end(buf: bytearray | memoryview, filled: int, pos: int = 0) -> int:
-        """Where the frame starting at ``pos`` ends, or a bound past ``filled`` while its header
-        is incomplete."""
+    def _frame_bounds(buf: bytearray | memoryview, filled: int, pos: int = 0) -> tuple[int, int]:
+        """Where the payload of the frame starting at ``pos`` starts and where the frame ends;
+        the end is past ``filled`` while the frame, or its header, is incomplete."""
         if filled - pos < _FRAME.size:
-            return pos + _LONG_HEAD + 1 if filled > pos else filled + 1
+            return pos, filled + 1
         n = int(_FRAME.unpack_from(buf, pos)[0])
         if n != -1:
-            return pos + _FRAME.size + n
+            return pos + _FRAME.size, pos + _FRAME.size + n
         if filled - pos < _LONG_HEAD:
-            return pos + _LONG_HEAD + 1
-        return pos + _LONG_HEAD + int(_FRAME_LONG.unpack_from(buf, pos + _FRAME.size)[0])
+            return pos, filled + 1
+        return pos + _LONG_HEAD, pos + _LONG_HEAD + int(
+            _FRAME_LONG.unpack_from(buf, pos + _FRAME.size)[0]
+        )
 
     def _complete(self, frame: memoryview) -> None:
         (work_id,) = _WORK_ID.unpack_from(frame)

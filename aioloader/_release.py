@@ -6,7 +6,7 @@ strings, CPython frees every one of them there and then, on the loop (about 0.5 
 2-core VM), and a service's requests wait behind it. So the consumer keeps one reference to
 each such batch it delivers; a loop turn after the next batch is delivered, when that reference
 is the only one left (the loop body moved on), the batch's lists and dicts are emptied from the
-end, a step of about :data:`~aioloader._codec.DECODE_STEP_S` per turn.
+end, a step of about :data:`RELEASE_STEP_S` per turn.
 
 Nothing anybody can still see is touched: a container is emptied only while this module holds
 its only reference (``sys.getrefcount``), and only exact ``list`` and ``dict`` objects (no
