@@ -25,24 +25,29 @@ def _keep_list(batch: list[Any]) -> list[Any]:
     return batch
 
 
-async def test_a_dropped_batch_is_emptied_over_several_turns() -> None:
-    rel = _release.Releaser()
-    rel.delivered(_text_batch(0, samples=256), heavy=True)
-    steps = 0
+def _count_steps(rel: _release.Releaser) -> list[int]:
+    """A one-element list counting the releaser's steps (loop turns) from now on."""
+    steps = [0]
     step = rel._step
 
     def counted() -> None:
-        nonlocal steps
-        steps += 1
+        steps[0] += 1
         step()
 
     rel._step = counted  # type: ignore[method-assign]
+    return steps
+
+
+async def test_a_dropped_batch_is_emptied_over_several_turns() -> None:
+    rel = _release.Releaser()
+    rel.delivered(_text_batch(0, samples=256), heavy=True)
+    steps = _count_steps(rel)
     rel.delivered(_text_batch(1), heavy=True)  # the loop body moved on: batch 0 is ours alone
     await _turns(200)
     assert not rel._work
     assert (rel.released, rel.kept) == (1, 0)
     # 256 lists of 2 000 strings take more than one step's budget to free: freed in turns.
-    assert steps > 1
+    assert steps[0] > 1
 
 
 async def test_a_batch_the_loop_body_kept_is_never_touched() -> None:
@@ -146,20 +151,12 @@ async def test_a_list_of_lists_is_emptied_one_list_at_a_time(monkeypatch: Any) -
     monkeypatch.setattr(_release, "_CHUNK", 100)
     monkeypatch.setattr(_release, "RELEASE_STEP_S", 0.0)
     rel = _release.Releaser()
-    steps = 0
-    step = rel._step
-
-    def counted() -> None:
-        nonlocal steps
-        steps += 1
-        step()
-
-    rel._step = counted  # type: ignore[method-assign]
+    steps = _count_steps(rel)
     rel.delivered({"tokens": [[str(j) for j in range(30)] for _ in range(600)]}, heavy=True)
     rel.delivered(None, heavy=False)
     await _turns(1000)
     assert rel.released == 1 and not rel._work
-    assert steps >= 600
+    assert steps[0] >= 600
 
 
 def test_the_sole_owner_count_holds_under_a_frame_evaluation_hook() -> None:
