@@ -130,7 +130,7 @@ def stream_input(
     num_workers: object,
     fetch_in: object,
     fetch_policy: object,
-    transform_in: object = "workers",
+    transform_in: object = None,
 ) -> tuple[StreamInput | None, InWorkers | None]:
     """Validate the async-source arguments. Returns what the loop reads (an async iterable, or an
     async map-style dataset fetched on the loop) or what the workers fetch
@@ -157,11 +157,11 @@ def stream_input(
             "loop of its own), 'loop' (this event loop calls it) or None (the default: 'workers' "
             f"when num_workers > 0), got {fetch_in!r}"
         )
-    if transform_in not in ("workers", "auto"):
+    if transform_in not in (None, "workers", "auto"):
         raise ValueError(
             "transform_in should be 'workers' (a window's transform and collate_fn always run in "
-            "a worker process) or 'auto' (a paced stream's cheap windows run on this event "
-            f"loop, with no process hop), got {transform_in!r}"
+            "a worker process), 'auto' (a paced stream's cheap windows run on this event loop, "
+            f"with no process hop) or None (the default: 'auto'), got {transform_in!r}"
         )
     is_torch_iterable = kind == "iterable" and isinstance(dataset, IterableDataset)
     if transform_in == "auto" and kind != "iterable":
@@ -246,6 +246,6 @@ def stream_input(
         batch_size=batch_size,
         transformed=transform is not None,
         policy=policy,
-        transform_in=str(transform_in),
+        transform_in="auto" if transform_in is None else str(transform_in),
     )
     return stream, None

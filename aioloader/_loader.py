@@ -137,12 +137,13 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         fetch_policy: Async map-style datasets: a :class:`~aioloader.FetchPolicy` (per-call
             timeout, retries of transient failures, hedged calls). Default: ``FetchPolicy()``.
         transform_in: Async iterable sources: where a window's ``transform`` and
-            ``collate_fn`` run. ``"workers"`` (the default): always in a worker process, so a
-            crash in them is a worker's. ``"auto"``: while the source keeps the loader waiting
-            and the workers measured the work as cheap, this event loop does it as samples
-            arrive, in steps of at most about 0.5 ms, with no process hop (lower latency for a
-            paced stream); see docs/streaming.md. With ``num_workers=0`` everything runs in this
-            process anyway, and it is always ``"auto"``.
+            ``collate_fn`` run. ``"auto"`` (what None, the default, means): while the source
+            keeps the loader waiting and the workers measured the work as cheap, this event loop
+            does it as samples arrive, in steps of at most about 0.5 ms, with no process hop
+            (lower latency for a paced stream); otherwise the workers. ``"workers"``: always in
+            a worker process, so a crash in them is a worker's. See docs/streaming.md. With
+            ``num_workers=0`` everything runs in this process anyway, and it is always
+            ``"auto"``.
 
     The dataset may be an **async source**: an async iterable (an ``async def`` generator, an
     object with ``__aiter__``), read on the event loop and batched by size or time, or a map-style
@@ -198,7 +199,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         executor: str | Launcher = "process",
         fetch_in: Literal["workers", "loop"] | None = None,
         fetch_policy: FetchPolicy | None = None,
-        transform_in: Literal["workers", "auto"] = "workers",
+        transform_in: Literal["workers", "auto"] | None = None,
     ) -> None:
         stream, remote = stream_input(
             dataset,
@@ -537,7 +538,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             )
             for name, value in (
                 ("max_batch_latency", self.max_batch_latency),
-                ("transform_in", None if self.transform_in == "workers" else self.transform_in),
+                ("transform_in", self.transform_in if self.transform_in == "auto" else None),
             ):
                 if value is not None:
                     raise ValueError(
@@ -547,7 +548,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         elif (
             self.transform is not None
             or self.max_batch_latency is not None
-            or self.transform_in != "workers"
+            or self.transform_in not in (None, "workers")
         ):
             stream_input(  # raises: they apply to async sources only
                 self.dataset,

@@ -21,8 +21,9 @@ Where a window runs is decided by what it costs, per epoch:
   or its collate more than :data:`MAX_COLLATE_S` (moving averages, from its third window on),
   later windows of the epoch go back to the workers (the one at hand finishes on the loop: a
   transform never runs twice).
-* With worker processes, only with ``transform_in="auto"``: a crash in a transform run on the
-  loop is the loader's own process's, not a replaceable worker's.
+* Not with ``transform_in="workers"``: a user who keeps every window in the workers, because a
+  crash in a transform run on the loop is the loader's own process's, not a replaceable
+  worker's.
 * Not with ``seeding="batch"`` (a window's transform runs under its batch's seed, in a worker),
   a ``worker_init_fn`` (it may prepare what the transform reads through ``get_worker_info()``)
   or an executor other than worker processes (threads and Ray actors keep every window).
@@ -45,13 +46,13 @@ import os
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
-from . import _threadworkers, _worker
+from . import _npstate, _threadworkers, _worker
 from ._backend import Direct
 from ._records import Plan
 from ._worker import Samples
@@ -101,29 +102,30 @@ class _Generators:
         self.py = random.Random(seed).getstate()
         self.torch = torch.Generator().manual_seed(seed).get_state()
         self.np: Any = None
-        np = sys.modules.get("numpy")  # a worker seeds numpy only where it is imported, too
-        if np is not None:
+        npr = sys.modules.get("numpy.random")  # a worker seeds numpy where it is imported
+        if npr is not None:
             state = torch_worker._generate_state(base_seed, worker_id)  # type: ignore[no-untyped-call]
-            self.np = np.random.RandomState(state).get_state()
+            self.np = npr.RandomState(state).get_state()
 
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
-        """Make these the global generators for the block; the program's come back after."""
-        np = sys.modules.get("numpy") if self.np is not None else None
-        saved = random.getstate(), torch.get_rng_state(), np.random.get_state() if np else None
+        """Make these the global generators for the block; the program's come back after.
+        numpy's through :mod:`._npstate`: its own calls cost most of a cheap step."""
+        npr = sys.modules.get("numpy.random") if self.np is not None else None
+        saved = random.getstate(), torch.get_rng_state(), _npstate.get(npr) if npr else None
         random.setstate(self.py)
         torch.set_rng_state(self.torch)
-        if np is not None:
-            np.random.set_state(self.np)
+        if npr is not None:
+            _npstate.put(npr, self.np)
         try:
             yield
         finally:
             self.py, self.torch = random.getstate(), torch.get_rng_state()
             random.setstate(saved[0])
             torch.set_rng_state(saved[1])
-            if np is not None:
-                self.np = np.random.get_state()
-                np.random.set_state(saved[2])
+            if npr is not None:
+                self.np = _npstate.get(npr)
+                _npstate.put(npr, saved[2])
 
 
 class LoopLane:
@@ -170,46 +172,64 @@ class LoopLane:
             and cost[0] <= MAX_COLLATE_S + MAX_SAMPLE_S * cost[1]
         )
 
+    def _per_step(self) -> int:
+        """Samples per step, from the lane's own measure, else the most a sample may take."""
+        return max(1, int(STEP_S / max(self._sample_s or MAX_SAMPLE_S, 1e-7)))
+
+    def _step(self, key: tuple[int, int], samples: list[Any]) -> None:
+        """Transform ``samples`` ahead for window ``key``; the caller stands in for its worker."""
+        began = time.perf_counter()
+        self._collator.prefeed(key, samples)
+        self._spent += time.perf_counter() - began
+
     async def transform(
-        self, send_idx: int, window: Samples, done: int, worker_id: int | None
+        self, send_idx: int, window: Samples, done: int, worker_id: int | None, end: int = -1
     ) -> int:
-        """Transform ``window[done:]`` (window ``send_idx``) ahead of its close, in steps of at
-        most about :data:`STEP_S`; returns how many of its samples are transformed now. An
-        error is kept, and raised in the window's place by :meth:`finish`."""
+        """Transform ``window[done:end]`` (window ``send_idx``; all of it by default) ahead of
+        its close, in steps of at most about :data:`STEP_S`; returns how many of its samples are
+        transformed now. An error is kept, and raised in the window's place by :meth:`finish`."""
         key = (self._epoch.epoch_no, send_idx)
-        # Samples per step from the lane's own measure, else the most a sample may take.
-        per_step = max(1, int(STEP_S / max(self._sample_s or MAX_SAMPLE_S, 1e-7)))
-        while done < len(window):
-            chunk = window[done : done + per_step]
+        per_step = self._per_step()
+        end = len(window) if end < 0 else end
+        while done < end:
+            chunk = window[done : min(end, done + per_step)]
             with self._as_worker(worker_id):
-                began = time.perf_counter()
-                self._collator.prefeed(key, chunk)
-                self._spent += time.perf_counter() - began
+                self._step(key, chunk)
             done += len(chunk)
-            if done < len(window):
+            if done < end:
                 await asyncio.sleep(0)  # let the loop run other callbacks between steps
         return done
 
     async def finish(self, send_idx: int, window: Samples, done: int, worker_id: int | None) -> Any:
         """Transform the rest of ``window`` and collate it: the batch (or its error) as a worker's
         result for ``send_idx``."""
-        done = await self.transform(send_idx, window, done, worker_id)
-        window.ahead = ((self._epoch.epoch_no, send_idx), done)
+        key = (self._epoch.epoch_no, send_idx)
+        per_step = self._per_step()
+        if len(window) - done > per_step:  # all but the last step's worth, in steps
+            done = await self.transform(send_idx, window, done, worker_id, len(window) - per_step)
         wid = -1 if worker_id is None else worker_id
-        collating = time.perf_counter()
         data: object
-        try:
-            # The samples transformed ahead are taken from the stand-in (or their error raised).
-            with self._as_worker(worker_id, for_collate=True):
-                batch = self._collator.collate(window, self._collate_fn, self._auto_collation)
-            data = Direct(batch)
-        except BaseException:  # SystemExit from user code too: it belongs to the batch
-            where = (
-                f"in the loader's event loop, standing in for DataLoader worker {wid}, while "
-                f"loading batch send_idx={send_idx}"
-            )
-            data = _worker.RemoteError.capture(where)
-        collate_s = time.perf_counter() - collating
+        collate_s = 0.0
+        # The last step and the collation share one swap of the generators: at the close, every
+        # microsecond is the batch's latency.
+        with self._as_worker(worker_id) as collating:
+            if done < len(window):
+                self._step(key, window[done:])
+            window.ahead = (key, len(window))
+            began = time.perf_counter()
+            try:
+                # The samples transformed ahead are taken from the stand-in (or their error
+                # raised).
+                with collating():
+                    batch = self._collator.collate(window, self._collate_fn, self._auto_collation)
+                data = Direct(batch)
+            except BaseException:  # SystemExit from user code too: it belongs to the batch
+                where = (
+                    f"in the loader's event loop, standing in for DataLoader worker {wid}, while "
+                    f"loading batch send_idx={send_idx}"
+                )
+                data = _worker.RemoteError.capture(where)
+            collate_s = time.perf_counter() - began
         busy = self._spent + collate_s
         # Moving averages, as the workers' measure: one slow window (a collection, a first
         # call) does not close the lane, a transform that grew dearer does.
@@ -223,10 +243,15 @@ class LoopLane:
         return _worker.Result(send_idx, self._epoch.epoch_no, wid, os.getpid(), data, busy)
 
     @contextlib.contextmanager
-    def _as_worker(self, worker_id: int | None, for_collate: bool = False) -> Iterator[None]:
-        """Run user code as worker ``worker_id`` would see itself (see the module docstring)."""
+    def _as_worker(
+        self, worker_id: int | None
+    ) -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
+        """Run user code as worker ``worker_id`` would see itself (see the module docstring).
+        Yields a context manager for the collation inside: torch's ``default_collate`` builds
+        in shared memory whenever it sees worker info, not for a batch that never leaves this
+        process."""
         if self._num_workers == 0:
-            yield
+            yield contextlib.nullcontext
             return
         wid = 0 if worker_id is None else worker_id
         gens = self._generators.get(wid)
@@ -236,12 +261,20 @@ class LoopLane:
             )
         local = _threadworkers.thread_local()
         saved = getattr(local, "info", _NO_INFO)
-        # torch's default_collate builds in shared memory whenever it sees worker info: not for
-        # a batch that never leaves this process.
-        local.info = None if for_collate else self._info(wid)
+        info = self._info(wid)
+
+        @contextlib.contextmanager
+        def collating() -> Iterator[None]:
+            local.info = None
+            try:
+                yield
+            finally:
+                local.info = info
+
+        local.info = info
         try:
             with gens.current():
-                yield
+                yield collating
         finally:
             if saved is _NO_INFO:
                 del local.info

@@ -78,7 +78,7 @@ class StreamInput:
         batch_size: int | None,
         transformed: bool = False,
         policy: FetchPolicy | None = None,
-        transform_in: str = "workers",
+        transform_in: str = "auto",
     ) -> None:
         self.source = source
         #: ``"auto"``: a paced stream's cheap windows may be loaded on the loop (``_looplane``).

@@ -173,8 +173,8 @@ _SETTERS: list[tuple[str, dict[str, Any], Any, Callable[[Plan], bool] | tuple[ty
     (
         "transform_in",
         _STREAM,
-        "auto",
-        lambda p: p.stream is not None and p.stream.transform_in == "auto",
+        "workers",
+        lambda p: p.stream is not None and p.stream.transform_in == "workers",
     ),
     ("transform_in", _STREAM, "loop", (ValueError, "transform_in should be")),
     ("transform_in", _MAP, "auto", (ValueError, "applies to async iterable sources")),

@@ -308,9 +308,9 @@ def test_stream_benchmark_measures_both_loaders() -> None:
     }
     for metric, per_loader in got.items():
         # The unpaced row with workers also has the machine's limit (the bare round trip); the
-        # paced rows also time transform_in="auto" (with workers: without, it is the default).
+        # paced rows also time transform_in="workers" (with workers: without, it is the same).
         limit = {"limit"} if metric.endswith("num_workers=1") else set()
-        auto = {"aio-auto"} if metric.startswith("p") else set()
+        auto = {"aio-workers"} if metric.startswith("p") else set()
         assert set(per_loader) == {"torch", "aioloader"} | limit | auto
         assert all(len(v) == 1 and v[0] > 0 for v in per_loader.values())
 

@@ -5,10 +5,11 @@ or not anyone reads it yet, so a reader that falls behind shows as latency). Lat
 from an event's production to the consumer receiving the batch that holds it.
 
 * aioloader: the async source is the loader's dataset, batches close at ``batch_size`` or
-  ``max_batch_latency`` after their first event; ``transform`` and collation run in the workers.
-* ``aio-auto`` (paced rates, with workers): the same with ``transform_in="auto"``: while the
-  source keeps the loader waiting, windows whose transform is cheap are transformed and collated
-  on the loader's event loop, with no process hop.
+  ``max_batch_latency`` after their first event; with the default ``transform_in="auto"``,
+  while the source keeps the loader waiting, windows whose transform is cheap are transformed
+  and collated on the loader's event loop, with no process hop; the others in the workers.
+* ``aio-workers`` (paced rates, with workers): the same with ``transform_in="workers"``: every
+  window is transformed and collated in a worker process.
 * torch, the nearest equivalent: an ``IterableDataset`` over the same async source, run on its
   own event loop in a bridge thread that hands events over through a queue; ``num_workers=0``
   (a worker process per consumer would each read the stream); batches close by size only.
@@ -35,9 +36,9 @@ from aioloader.benchmark.tiny import fraction_of_limit
 
 __all__ = ("COLUMNS", "PacedSource", "bench_stream", "measure_stream")
 
-AIO_AUTO = "aio-auto"
+AIO_WORKERS = "aio-workers"
 #: Table columns this workload adds beside torch and aioloader.
-COLUMNS = (AIO_AUTO,)
+COLUMNS = (AIO_WORKERS,)
 
 FEATURES = 16
 
@@ -165,7 +166,7 @@ async def _latencies_aio(
     latency_s: float,
     workers: int,
     warmup: int,
-    transform_in: str = "workers",
+    transform_in: str | None = None,
 ) -> tuple[list[float], float]:
     lat: list[float] = []
     loader: AsyncDataLoader[Any]
@@ -206,7 +207,7 @@ def measure_stream(
     def add(metric: str, name: str, value: float) -> None:
         out.setdefault(metric, {"torch": [], "aioloader": []}).setdefault(name, []).append(value)
 
-    names = ("torch", "aioloader", AIO_AUTO) if workers else ("torch", "aioloader")
+    names = ("torch", "aioloader", AIO_WORKERS) if workers else ("torch", "aioloader")
 
     for r in range(rounds):
         for rate in rates:
@@ -217,7 +218,7 @@ def measure_stream(
                 if name == "torch":
                     lat, _ = _latencies_torch(n, rate, batch_size, warmup)
                 else:
-                    where = "auto" if name == AIO_AUTO else "workers"
+                    where = "workers" if name == AIO_WORKERS else None
                     lat, _ = asyncio.run(
                         _latencies_aio(n, rate, batch_size, latency_s, workers, warmup, where)
                     )
@@ -262,9 +263,10 @@ def bench_stream(cfg: Config) -> list[Row]:
     for metric, rounds in measured.items():
         better = "higher" if metric.startswith("events/s") else "lower"
         row = Row("stream", metric, better, dict(rounds), note=note)
-        auto, t = row.median(AIO_AUTO), row.median("torch")
-        if auto is not None and t:
-            row.note = f"{note}; {AIO_AUTO} (transform_in='auto') / torch = {auto / t:.2f}x"
+        in_workers, t = row.median(AIO_WORKERS), row.median("torch")
+        if in_workers is not None and t:
+            ratio = in_workers / t
+            row.note = f"{note}; {AIO_WORKERS} (transform_in='workers') / torch = {ratio:.2f}x"
         if metric == "p99 latency ms @100/s":
             ratio_check(row, "<=", 0.1)  # size-or-time windows against size-only batches
         elif metric.endswith("@10000/s"):

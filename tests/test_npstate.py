@@ -1,0 +1,96 @@
+"""numpy's global generator state read and written fast (``_npstate``), exactly as numpy's own
+``get_state()``/``set_state()`` would, the kept normal included."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.random as npr
+import pytest
+
+from aioloader import _npstate
+
+
+@pytest.fixture(autouse=True)
+def _program_state_back() -> Iterator[None]:
+    saved = np.random.get_state()
+    yield
+    np.random.set_state(saved)
+
+
+def _draws(rs: Any) -> list[float]:
+    return [
+        float(rs.standard_normal()),
+        float(rs.random()),
+        float(rs.standard_normal()),
+        float(rs.randint(1 << 30)),
+    ]
+
+
+def _reference() -> np.random.RandomState:
+    rs = np.random.RandomState()
+    rs.set_state(np.random.get_state())
+    return rs
+
+
+def test_the_fast_way_is_taken_with_the_default_generator() -> None:
+    assert _npstate.fast(npr)
+    assert isinstance(_npstate.get(npr), _npstate._Fast)
+
+
+@pytest.mark.parametrize("kept_normal", [False, True])
+def test_a_state_put_back_gives_the_same_draws(kept_normal: bool) -> None:
+    np.random.seed(11)
+    if kept_normal:
+        np.random.standard_normal()  # one of the pair is kept for the next draw
+    expected = _draws(_reference())
+    saved = _npstate.get(npr)
+    _draws(np.random)  # another stream's draws in between
+    np.random.seed(99)
+    np.random.standard_normal()
+    _npstate.put(npr, saved)
+    assert _draws(np.random) == expected
+
+
+def test_a_state_read_fast_is_the_one_get_state_reports() -> None:
+    np.random.seed(5)
+    np.random.standard_normal()
+    fast = _npstate.get(npr)
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    assert name == "MT19937" and has_gauss == 1
+    legacy = fast.legacy()
+    assert (legacy[0], legacy[2], legacy[3], legacy[4]) == (name, pos, has_gauss, gauss)
+    assert np.array_equal(legacy[1], key)
+
+
+def test_states_of_both_kinds_are_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    np.random.seed(3)
+    fast = _npstate.get(npr)
+    expected = _draws(_reference())
+    # Where the fast way does not apply, numpy's own calls carry the state; a state read the
+    # fast way is put back through them too.
+    monkeypatch.setattr(_npstate, "_global", lambda npr: None)
+    assert not _npstate.fast(npr)
+    slow = _npstate.get(npr)
+    assert isinstance(slow, dict)
+    _draws(np.random)
+    _npstate.put(npr, fast)
+    assert _draws(np.random) == expected
+    _npstate.put(npr, slow)
+    assert _draws(np.random) == expected
+
+
+def test_another_bit_generator_takes_the_slow_way() -> None:
+    original = np.random.get_bit_generator()
+    np.random.set_bit_generator(np.random.PCG64(1))
+    try:
+        assert not _npstate.fast(npr)
+        saved = _npstate.get(npr)
+        first = float(np.random.random())
+        _npstate.put(npr, saved)
+        assert float(np.random.random()) == first
+    finally:
+        np.random.set_bit_generator(original)
+    assert _npstate.fast(npr)
