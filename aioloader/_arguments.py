@@ -17,7 +17,14 @@ from ._records import StreamInput
 from ._remote import InWorkers, check_no_client, check_policy
 from ._stream import check_latency, source_kind
 
-__all__ = ("check_executor", "check_int", "check_own_settings", "check_worker_nice", "stream_input")
+__all__ = (
+    "check_executor",
+    "check_int",
+    "check_own_settings",
+    "check_transform_in",
+    "check_worker_nice",
+    "stream_input",
+)
 
 
 def check_int(name: str, value: object, lo: int, hi: int | None, what: str) -> None:
@@ -28,6 +35,15 @@ def check_int(name: str, value: object, lo: int, hi: int | None, what: str) -> N
 
 
 _EXECUTORS = ("process", "thread")
+
+
+def check_transform_in(value: object) -> None:
+    if value not in (None, "workers", "auto"):
+        raise ValueError(
+            "transform_in should be 'workers' (a window's transform and collate_fn always run in "
+            "a worker process), 'auto' (a paced stream's cheap windows run on this event loop, "
+            f"with no process hop) or None (the default: 'auto'), got {value!r}"
+        )
 
 
 def check_worker_nice(value: object) -> None:
@@ -157,12 +173,7 @@ def stream_input(
             "loop of its own), 'loop' (this event loop calls it) or None (the default: 'workers' "
             f"when num_workers > 0), got {fetch_in!r}"
         )
-    if transform_in not in (None, "workers", "auto"):
-        raise ValueError(
-            "transform_in should be 'workers' (a window's transform and collate_fn always run in "
-            "a worker process), 'auto' (a paced stream's cheap windows run on this event loop, "
-            f"with no process hop) or None (the default: 'auto'), got {transform_in!r}"
-        )
+    check_transform_in(transform_in)
     is_torch_iterable = kind == "iterable" and isinstance(dataset, IterableDataset)
     if transform_in == "auto" and kind != "iterable":
         raise ValueError(

@@ -40,7 +40,7 @@ from torch.utils.data import (
 from typing_extensions import TypeVar
 
 from . import _notebook, _worker
-from ._arguments import check_int, check_own_settings, stream_input
+from ._arguments import check_int, check_own_settings, check_transform_in, stream_input
 from ._attrs import TorchAttributes, check_prefetch_factor
 from ._backend import Backend, Launcher
 from ._bridge import SyncDataLoader
@@ -120,8 +120,9 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             is shared, not copied, and must be thread-safe. ``aioloader.ray.RayWorkers(...)``:
             one Ray actor per worker, anywhere in a Ray cluster. ``num_workers=0`` loads in this
             process whatever the executor.
-        transform: Async sources only: a picklable callable applied to each sample in the
-            workers (or the ``num_workers=0`` thread) before ``collate_fn``.
+        transform: Async sources only: a picklable callable applied to each sample before
+            ``collate_fn``: in the workers (or the ``num_workers=0`` thread), or on this event
+            loop for a paced stream's cheap windows (see ``transform_in``).
         max_batch_latency: Async iterable sources only: seconds after a batch's first sample
             arrived at which the batch closes even if it holds fewer than ``batch_size`` samples.
             ``None`` (the default) closes batches by size alone.
@@ -150,13 +151,12 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
     dataset whose ``__getitem__``/``__getitems__`` is ``async def``. The source stays in this
     process (an async map-style dataset is fetched by the workers themselves when
     ``fetch_in="workers"``); its samples go to the workers for ``transform`` and
-    ``collate_fn``. A dataset with ``async def __aenter__``/``__aexit__`` is entered once in
-    each event loop that fetches from it, before the first call, and exited when that loop's
-    work ends (a worker's exit; the epoch's end on this loop): open its client there. A source
-    with an
-    ``ack(samples)`` method (plain or ``async``) is told, batch by batch in delivery order, which
-    samples the consumer received, once the consumer asks for the next batch. See
-    ``docs/streaming.md``.
+    ``collate_fn``, but for a paced stream's cheap windows, done on this event loop. A dataset
+    with ``async def __aenter__``/``__aexit__`` is entered once in each event loop that fetches
+    from it, before the first call, and exited when that loop's work ends (a worker's exit; the
+    epoch's end on this loop): open its client there. A source with an ``ack(samples)`` method
+    (plain or ``async``) is told, batch by batch in delivery order, which samples the consumer
+    received, once the consumer asks for the next batch. See ``docs/streaming.md``.
 
     Example::
 
@@ -529,6 +529,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
                 transform_in=self.transform_in,
             )
         elif self._remote is not None:
+            check_transform_in(self.transform_in)
             check_int(
                 "source_concurrency",
                 self.source_concurrency,

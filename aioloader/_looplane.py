@@ -101,31 +101,49 @@ class _Generators:
         seed = base_seed + worker_id  # the caller passes an id past the workers' (see above)
         self.py = random.Random(seed).getstate()
         self.torch = torch.Generator().manual_seed(seed).get_state()
+        # As a worker seeds numpy's global generator; made on first use, of the kind the
+        # program's global generator is then.
+        self._np_seed = torch_worker._generate_state(base_seed, worker_id)  # type: ignore[no-untyped-call]
         self.np: Any = None
-        npr = sys.modules.get("numpy.random")  # a worker seeds numpy where it is imported
-        if npr is not None:
-            state = torch_worker._generate_state(base_seed, worker_id)  # type: ignore[no-untyped-call]
-            self.np = npr.RandomState(state).get_state()
+
+    def _numpy(self, npr: Any) -> Any:
+        """The stand-in's numpy state, of the kind the global generator is now; None where
+        none can be made (a bit generator of the program's own that takes no seed)."""
+        if self.np is None or not _npstate.fits(npr, self.np):
+            try:
+                self.np = _npstate.seeded(npr, self._np_seed)
+            except Exception:
+                return None
+        return self.np
 
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
-        """Make these the global generators for the block; the program's come back after.
-        numpy's through :mod:`._npstate`: its own calls cost most of a cheap step."""
-        npr = sys.modules.get("numpy.random") if self.np is not None else None
-        saved = random.getstate(), torch.get_rng_state(), _npstate.get(npr) if npr else None
-        random.setstate(self.py)
-        torch.set_rng_state(self.torch)
-        if npr is not None:
-            _npstate.put(npr, self.np)
+        """Make these the global generators for the block; the program's come back after,
+        whatever happens in it (or in the swap itself). numpy's through :mod:`._npstate`: its
+        own calls cost most of a cheap step."""
+        npr = sys.modules.get("numpy.random")  # aioloader._worker imports it
+        program = random.getstate(), torch.get_rng_state()
+        program_np = _npstate.get(npr) if npr is not None else None
+        lane_np = self._numpy(npr) if npr is not None else None
+        entered = False
         try:
+            random.setstate(self.py)
+            torch.set_rng_state(self.torch)
+            if lane_np is not None:
+                _npstate.put(npr, lane_np)
+            entered = True
             yield
         finally:
-            self.py, self.torch = random.getstate(), torch.get_rng_state()
-            random.setstate(saved[0])
-            torch.set_rng_state(saved[1])
-            if npr is not None:
-                self.np = _npstate.get(npr)
-                _npstate.put(npr, saved[2])
+            if entered:
+                self.py, self.torch = random.getstate(), torch.get_rng_state()
+                if lane_np is not None:
+                    self.np = _npstate.get(npr)
+            random.setstate(program[0])
+            torch.set_rng_state(program[1])
+            if program_np is not None and _npstate.fits(npr, program_np):
+                # (Where it no longer fits, the block replaced the program's bit generator
+                # itself: that one stays.)
+                _npstate.put(npr, program_np)
 
 
 class LoopLane:
@@ -210,26 +228,27 @@ class LoopLane:
         wid = -1 if worker_id is None else worker_id
         data: object
         collate_s = 0.0
-        # The last step and the collation share one swap of the generators: at the close, every
-        # microsecond is the batch's latency.
-        with self._as_worker(worker_id) as collating:
-            if done < len(window):
-                self._step(key, window[done:])
-            window.ahead = (key, len(window))
-            began = time.perf_counter()
-            try:
+        began = time.perf_counter()
+        try:
+            # The last step and the collation share one swap of the generators: at the close,
+            # every microsecond is the batch's latency.
+            with self._as_worker(worker_id) as collating:
+                if done < len(window):
+                    self._step(key, window[done:])
+                window.ahead = (key, len(window))
+                began = time.perf_counter()
                 # The samples transformed ahead are taken from the stand-in (or their error
                 # raised).
                 with collating():
                     batch = self._collator.collate(window, self._collate_fn, self._auto_collation)
-                data = Direct(batch)
-            except BaseException:  # SystemExit from user code too: it belongs to the batch
-                where = (
-                    f"in the loader's event loop, standing in for DataLoader worker {wid}, while "
-                    f"loading batch send_idx={send_idx}"
-                )
-                data = _worker.RemoteError.capture(where)
-            collate_s = time.perf_counter() - began
+            data = Direct(batch)
+        except BaseException:  # SystemExit from user code too: it belongs to the batch
+            where = (
+                f"in the loader's event loop, standing in for DataLoader worker {wid}, while "
+                f"loading batch send_idx={send_idx}"
+            )
+            data = _worker.RemoteError.capture(where)
+        collate_s = time.perf_counter() - began
         busy = self._spent + collate_s
         # Moving averages, as the workers' measure: one slow window (a collection, a first
         # call) does not close the lane, a transform that grew dearer does.

@@ -5,25 +5,28 @@ around every step of user code. numpy's own ``get_state()``/``set_state()`` cost
 each (the state travels as a dict holding a fresh array), four of them per step: most of a
 step for a cheap transform, and of the batch's latency at a window's close.
 
-The global ``RandomState`` draws from an ``MT19937`` bit generator; its whole state is that
-generator's C struct (624 words and a position, reached through its documented ``ctypes``
-interface) plus the legacy normal cache that ``RandomState`` keeps itself (``has_gauss``,
-``gauss``: a normal draw makes two values and keeps one). The cache is not exposed, so its place
-in the object is found once, on a scratch ``RandomState``: the bytes a normal draw changes, and
-only those, must read back as the cache ``get_state()`` reports, and flip back with the next
-draw. Where anything differs (another numpy, another bit generator through
-``numpy.random.set_bit_generator``, no numpy), :func:`get` and :func:`put` use ``get_state()``
-and ``set_state()``: slower, never wrong.
+The global ``RandomState`` (the one numpy's module functions are bound to) draws from an
+``MT19937`` bit generator by default; its whole state is that generator's C struct (624 words
+and a position, reached through its documented ``ctypes`` interface) plus the legacy normal
+cache that ``RandomState`` keeps itself (``has_gauss``, ``gauss``: a normal draw makes two values
+and keeps one). The cache is not exposed, so its place in the object is found once, on a scratch
+``RandomState``: the bytes a normal draw changes, and only those, must read back as the cache
+``get_state()`` reports, and flip back with the next draw. Where anything differs (another
+numpy, another bit generator through ``numpy.random.set_bit_generator``), :func:`get` and
+:func:`put` use numpy's own calls: slower, never wrong.
+
+Every read and write holds the bit generator's lock (numpy's draws take it too) and a reference
+to the generator, so a generator replaced meanwhile by another thread is never freed under a
+write.
 """
 
 from __future__ import annotations
 
 import ctypes
 import struct
-import sys
 from typing import Any
 
-__all__ = ("get", "put")
+__all__ = ("fast", "fits", "get", "put", "seeded")
 
 #: MT19937's C state: ``uint32_t key[624]; int pos``.
 _MT_SIZE = 624 * 4 + 4
@@ -33,7 +36,8 @@ _DOUBLE = struct.Struct("d")
 
 
 class _Fast:
-    """A numpy state as raw bytes: the bit generator's struct, and the normal cache."""
+    """A state of the default (``MT19937``) global generator as raw bytes: the bit generator's
+    struct, and the normal cache."""
 
     __slots__ = ("gauss", "mt")
 
@@ -42,8 +46,8 @@ class _Fast:
         self.gauss = gauss
 
     def legacy(self) -> tuple[Any, ...]:
-        """The same state as ``get_state()`` gives it (the global generator was replaced by
-        ``numpy.random.set_bit_generator`` since this was read)."""
+        """The same state as ``get_state()`` gives it, for ``set_state()`` where the raw write
+        does not apply (an ``MT19937`` global only)."""
         import numpy as np
 
         key = np.frombuffer(self.mt, dtype=np.uint32, count=624).copy()
@@ -57,7 +61,7 @@ def _find_cache(npr: Any) -> tuple[int, int] | None:
     """``(offset, size)`` of the normal cache in a ``RandomState``, proven on a scratch one."""
     try:
         rs = npr.RandomState(12345)
-        if type(rs._bit_generator).__name__ != "MT19937":
+        if type(rs._bit_generator) is not npr.MT19937:
             return None
         size = type(rs).__basicsize__
         before = ctypes.string_at(id(rs), size)
@@ -80,8 +84,7 @@ def _find_cache(npr: Any) -> tuple[int, int] | None:
         if _INT.unpack_from(emptied, start)[0] != 0 or rs.get_state()[3] != 0:
             return None
         # And the struct the ctypes interface reaches is the one get_state() reads.
-        bg = rs._bit_generator
-        mt = ctypes.string_at(bg.ctypes.state_address, _MT_SIZE)
+        mt = ctypes.string_at(rs._bit_generator.ctypes.state_address, _MT_SIZE)
         key, pos = state[1], state[2]
         if list(struct.unpack_from("624I", mt)) != [int(k) for k in key]:
             return None
@@ -96,49 +99,81 @@ _cache_at: tuple[int, int] | None = None
 _probed = False
 
 
-def _global(npr: Any) -> tuple[Any, int, tuple[int, int]] | None:
-    """The global ``RandomState``, its MT19937 state's address and its cache's place, or None
-    when the fast way does not apply."""
+def _cache(npr: Any) -> tuple[int, int] | None:
     global _cache_at, _probed
     if not _probed:
-        _probed = True
         _cache_at = _find_cache(npr)
-    if _cache_at is None:
-        return None
-    rs: Any = getattr(getattr(npr, "mtrand", None), "_rand", None)
-    if type(rs) is not npr.RandomState:
-        return None
+        _probed = True
+    return _cache_at
+
+
+def _global(npr: Any) -> Any:
+    """The ``RandomState`` numpy's module functions draw from."""
+    return npr.get_state.__self__
+
+
+def _mt(npr: Any, rs: Any) -> Any:
+    """``rs``'s bit generator if the raw way applies to it, else None."""
     bg = rs._bit_generator
-    if type(bg).__name__ != "MT19937":
+    if type(bg) is not npr.MT19937 or type(rs) is not npr.RandomState or _cache(npr) is None:
         return None
-    return rs, bg.ctypes.state_address, _cache_at
+    return bg
 
 
 def get(npr: Any) -> Any:
     """The global generator's state (``npr``: the ``numpy.random`` module), for :func:`put`."""
-    where = _global(npr)
-    if where is None:
-        return npr.get_state(legacy=False)
-    rs, mt_at, (cache_off, cache_size) = where
-    with rs._bit_generator.lock:
-        return _Fast(
-            ctypes.string_at(mt_at, _MT_SIZE), ctypes.string_at(id(rs) + cache_off, cache_size)
-        )
+    rs = _global(npr)
+    bg = _mt(npr, rs)
+    if bg is not None:
+        offset, size = _cache(npr) or (0, 0)
+        with bg.lock:
+            if rs._bit_generator is bg:  # not replaced since: read it raw
+                mt = ctypes.string_at(bg.ctypes.state_address, _MT_SIZE)
+                return _Fast(mt, ctypes.string_at(id(rs) + offset, size))
+    return npr.get_state(legacy=False)
+
+
+def fits(npr: Any, state: Any) -> bool:
+    """Whether :func:`put` can make ``state`` the global generator's: a state of the same kind
+    of bit generator as the global one has now."""
+    name = type(_global(npr)._bit_generator).__name__
+    if isinstance(state, (_Fast, tuple)):
+        return name == "MT19937"
+    return isinstance(state, dict) and state.get("bit_generator") == name
 
 
 def put(npr: Any, state: Any) -> None:
-    """Make ``state`` (from :func:`get`, or ``get_state()``'s tuple) the global generator's."""
-    where = _global(npr) if isinstance(state, _Fast) else None
-    if where is None:
-        npr.set_state(state.legacy() if isinstance(state, _Fast) else state)
-        return
-    rs, mt_at, (cache_off, _) = where
-    with rs._bit_generator.lock:
-        ctypes.memmove(mt_at, state.mt, _MT_SIZE)
-        ctypes.memmove(id(rs) + cache_off, state.gauss, len(state.gauss))
+    """Make ``state`` (from :func:`get` or :func:`seeded`) the global generator's. Raises
+    ``ValueError`` where it does not :func:`fit` (the generator was replaced meanwhile)."""
+    if not fits(npr, state):
+        raise ValueError(
+            "numpy's global bit generator is now "
+            f"{type(_global(npr)._bit_generator).__name__}: a state of another kind cannot be "
+            "put back into it"
+        )
+    rs = _global(npr)
+    if isinstance(state, _Fast):
+        bg = _mt(npr, rs)
+        if bg is not None:
+            offset, _ = _cache(npr) or (0, 0)
+            with bg.lock:
+                if rs._bit_generator is bg:
+                    ctypes.memmove(bg.ctypes.state_address, state.mt, _MT_SIZE)
+                    ctypes.memmove(id(rs) + offset, state.gauss, len(state.gauss))
+                    return
+        state = state.legacy()
+    npr.set_state(state)
 
 
-def fast(npr: Any | None = None) -> bool:
-    """Whether :func:`get` and :func:`put` take the fast way here (tests, diagnostics)."""
-    npr = npr if npr is not None else sys.modules.get("numpy.random")
-    return npr is not None and _global(npr) is not None
+def seeded(npr: Any, seed: Any) -> Any:
+    """A fresh state for the kind of bit generator the global one is, seeded from ``seed`` (an
+    array of 32-bit words) as a worker seeds numpy's global generator (``np.random.seed``)."""
+    bg_type = type(_global(npr)._bit_generator)
+    if bg_type is npr.MT19937:
+        return npr.RandomState(seed).get_state()
+    return npr.RandomState(bg_type(seed)).get_state(legacy=False)
+
+
+def fast(npr: Any) -> bool:
+    """Whether :func:`get` and :func:`put` take the raw way for the global generator now."""
+    return _mt(npr, _global(npr)) is not None

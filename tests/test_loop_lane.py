@@ -116,39 +116,51 @@ async def test_a_paced_stream_with_a_cheap_transform_is_loaded_on_the_loop() -> 
     assert get_worker_info() is None
 
 
-async def _draw_after_an_epoch(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+async def _draw_after_an_epoch(
+    lane: bool, bit_generator: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, ...]:
     """Seed every generator, run an epoch whose transform draws, return the program's next
     draws and the batches."""
     if not lane:
         monkeypatch.setattr(_looplane.LoopLane, "usable", lambda self, idle: False)
     random.seed(7)
-    np.random.seed(7)
+    if bit_generator == "PCG64":  # numpy's documented way to change the global generator
+        np.random.set_bit_generator(np.random.PCG64(7))
+    else:
+        np.random.seed(7)
     np.random.standard_normal()  # the program's numpy keeps a normal for its next draw
     torch.manual_seed(7)
-    loader = AsyncDataLoader(
-        Paced(N, GAP), batch_size=BATCH, num_workers=2, transform=draws, transform_in="auto"
-    )
+    loader = AsyncDataLoader(Paced(N, GAP), batch_size=BATCH, num_workers=2, transform=draws)
     async with loader:
         got: list[Any] = await collect(loader)
+    assert type(np.random.get_bit_generator()).__name__ == bit_generator
     program = random.random(), float(np.random.standard_normal()), float(np.random.random())
     return *program, float(torch.rand(())), got
 
 
 @pytest.mark.usefixtures("lane_open")
+@pytest.mark.parametrize("bit_generator", ["MT19937", "PCG64"])
 async def test_the_lane_leaves_the_programs_random_streams_alone(
-    monkeypatch: pytest.MonkeyPatch,
+    bit_generator: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    *after_lane, got = await _draw_after_an_epoch(True, monkeypatch)
-    _in_order(got)
-    assert os.getpid() in _pids(got)
-    # The same draws as when every window is loaded in a worker process.
-    *after_workers, got_workers = await _draw_after_an_epoch(False, monkeypatch)
+    original = np.random.get_bit_generator()
+    try:
+        *after_lane, got = await _draw_after_an_epoch(True, bit_generator, monkeypatch)
+        _in_order(got)
+        assert os.getpid() in _pids(got)
+        # The same draws as when every window is loaded in a worker process.
+        *after_workers, got_workers = await _draw_after_an_epoch(False, bit_generator, monkeypatch)
+    finally:
+        np.random.set_bit_generator(original)
     assert os.getpid() not in _pids(got_workers)
     assert after_lane == after_workers
     # Windows loaded as the same worker never repeat values: each id's generators go on from
-    # where its last window left them.
-    values = [float(v) for b in got for v in b["r"]]
-    assert len(set(values)) == len(values)
+    # where its last window left them. (Only the lane's: with PCG64, numpy's seed() in each
+    # worker keeps the normal the program kept before the fork, in both workers alike.)
+    for key in ("r", "np", "gauss"):
+        pairs = [(v, p) for b in got for v, p in zip(b[key], b["pid"], strict=True)]
+        values = [float(v) for v, p in pairs if p == os.getpid()]
+        assert len(set(values)) == len(values), key
 
 
 @pytest.mark.usefixtures("lane_open")
@@ -286,3 +298,31 @@ async def test_a_source_error_after_a_lane_window_is_raised_in_its_place() -> No
                 await anext(it)
     assert [int(v) for b in got for v in b["x"].flatten()] == list(range(30))
     assert os.getpid() in _pids(got)
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_a_swap_that_fails_leaves_the_programs_generators_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_put = _looplane._npstate.put
+    calls = 0
+
+    def put(npr: Any, state: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the first swap in: random's and torch's are in already
+            raise RuntimeError("swap failed")
+        real_put(npr, state)
+
+    monkeypatch.setattr(_looplane._npstate, "put", put)
+    # (torch's generator is drawn by the loader itself, for the epoch's base seed, as torch's
+    # DataLoader does: only random's and numpy's are the program's alone here.)
+    random.seed(3)
+    np.random.seed(3)
+    expected = random.Random(3).random(), float(np.random.RandomState(3).random())
+    loader = AsyncDataLoader(Paced(N, GAP), batch_size=BATCH, num_workers=2, transform=draws)
+    with pytest.raises(RuntimeError, match="swap failed"):
+        async with loader:
+            await asyncio.wait_for(collect(loader), 60)
+    assert calls >= 1
+    assert (random.random(), float(np.random.random())) == expected

@@ -69,9 +69,9 @@ def test_states_of_both_kinds_are_put_back(monkeypatch: pytest.MonkeyPatch) -> N
     np.random.seed(3)
     fast = _npstate.get(npr)
     expected = _draws(_reference())
-    # Where the fast way does not apply, numpy's own calls carry the state; a state read the
-    # fast way is put back through them too.
-    monkeypatch.setattr(_npstate, "_global", lambda npr: None)
+    # Where the raw way does not apply, numpy's own calls carry the state; a state read the
+    # raw way is put back through them too.
+    monkeypatch.setattr(_npstate, "_mt", lambda npr, rs: None)
     assert not _npstate.fast(npr)
     slow = _npstate.get(npr)
     assert isinstance(slow, dict)
@@ -82,15 +82,37 @@ def test_states_of_both_kinds_are_put_back(monkeypatch: pytest.MonkeyPatch) -> N
     assert _draws(np.random) == expected
 
 
-def test_another_bit_generator_takes_the_slow_way() -> None:
+def test_the_generator_numpys_functions_use_is_the_one_read_and_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A library that rebinds mtrand._rand does not redirect np.random.random & co., which stay
+    # bound to the original: that one is the program's stream.
+    monkeypatch.setattr(npr.mtrand, "_rand", np.random.RandomState(0))
+    np.random.seed(5)
+    expected = _draws(_reference())
+    saved = _npstate.get(npr)
+    np.random.seed(99)
+    _npstate.put(npr, saved)
+    assert _draws(np.random) == expected
+
+
+def test_another_bit_generator_takes_numpys_own_calls() -> None:
     original = np.random.get_bit_generator()
     np.random.set_bit_generator(np.random.PCG64(1))
     try:
         assert not _npstate.fast(npr)
         saved = _npstate.get(npr)
+        assert _npstate.fits(npr, saved)
         first = float(np.random.random())
         _npstate.put(npr, saved)
         assert float(np.random.random()) == first
+        # A state of another kind does not fit, and is refused rather than half applied.
+        seeded = _npstate.seeded(npr, np.array([1, 2], dtype=np.uint32))
+        assert seeded["bit_generator"] == "PCG64" and _npstate.fits(npr, seeded)
+        legacy = np.random.RandomState(1).get_state()
+        assert not _npstate.fits(npr, legacy)
+        with pytest.raises(ValueError, match="PCG64"):
+            _npstate.put(npr, legacy)
     finally:
         np.random.set_bit_generator(original)
     assert _npstate.fast(npr)

@@ -117,6 +117,8 @@ def _transform(sample: Any) -> Any:
 
 _MAP: dict[str, Any] = {"batch_size": 2, "num_workers": 2}
 _STREAM: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "max_batch_latency": 1.0}
+#: An async map-style dataset, fetched in the workers.
+_REMOTE: dict[str, Any] = {"batch_size": 2, "num_workers": 2}
 
 # (attribute, constructor kwargs, value set between epochs, what the next plan shows: a check of
 # it, or the error (type, message) the next epoch raises). Every settable attribute has a row
@@ -178,6 +180,8 @@ _SETTERS: list[tuple[str, dict[str, Any], Any, Callable[[Plan], bool] | tuple[ty
     ),
     ("transform_in", _STREAM, "loop", (ValueError, "transform_in should be")),
     ("transform_in", _MAP, "auto", (ValueError, "applies to async iterable sources")),
+    ("transform_in", _REMOTE, "loop", (ValueError, "transform_in should be")),
+    ("transform_in", _REMOTE, "auto", (ValueError, "fetches in the workers")),
 ]
 
 
@@ -190,6 +194,8 @@ def _id(value: object) -> str:
 def _made(kwargs: dict[str, Any]) -> AsyncDataLoader[Any]:
     if kwargs is _STREAM:
         return AsyncDataLoader(stream_sources.Counting(8), **kwargs)
+    if kwargs is _REMOTE:
+        return AsyncDataLoader(stream_sources.AsyncMap(8), **kwargs)
     return AsyncDataLoader(datasets.RangeDataset(8), **kwargs)
 
 
