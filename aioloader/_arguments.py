@@ -257,6 +257,7 @@ def stream_input(
         batch_size=batch_size,
         transformed=transform is not None,
         policy=policy,
-        transform_in="auto" if transform_in is None else str(transform_in),
+        # None: the lane where it can be (an async iterable read here), else the workers.
+        transform_in=str(transform_in or ("auto" if kind == "iterable" else "workers")),
     )
     return stream, None

@@ -134,16 +134,18 @@ class _Generators:
             entered = True
             yield
         finally:
-            if entered:
-                self.py, self.torch = random.getstate(), torch.get_rng_state()
-                if lane_np is not None:
-                    self.np = _npstate.get(npr)
-            random.setstate(program[0])
-            torch.set_rng_state(program[1])
-            if program_np is not None and _npstate.fits(npr, program_np):
-                # (Where it no longer fits, the block replaced the program's bit generator
-                # itself: that one stays.)
-                _npstate.put(npr, program_np)
+            try:
+                if entered:
+                    self.py, self.torch = random.getstate(), torch.get_rng_state()
+                    if lane_np is not None:
+                        self.np = _npstate.get(npr)
+            finally:
+                random.setstate(program[0])
+                torch.set_rng_state(program[1])
+                if program_np is not None and _npstate.fits(npr, program_np):
+                    # (Where it no longer fits, the block replaced the program's bit generator
+                    # itself: that one stays.)
+                    _npstate.put(npr, program_np)
 
 
 class LoopLane:
@@ -227,7 +229,6 @@ class LoopLane:
             done = await self.transform(send_idx, window, done, worker_id, len(window) - per_step)
         wid = -1 if worker_id is None else worker_id
         data: object
-        collate_s = 0.0
         began = time.perf_counter()
         try:
             # The last step and the collation share one swap of the generators: at the close,
