@@ -375,6 +375,11 @@ class Epoch:
         ends and its cleanup (awaited by ``aclose()``) releases them once they are up.
         """
         if self._start_task is None:
+            if self.terminal:
+                # Ended before its start, or long enough ago that its cleanup dropped the start
+                # task: nothing to start; the consumer reads the end (or the failure) from the
+                # reorder buffer, as it would from a running epoch.
+                return
             loop = asyncio.get_running_loop()
             self.host.check_loop(loop, "start an epoch")
             self.loop = loop

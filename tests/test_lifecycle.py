@@ -307,3 +307,22 @@ async def test_an_interrupt_shows_the_callers_frames_not_the_loaders() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert caught == [[__file__]]
+
+
+@pytest.mark.parametrize("started", [False, True])
+async def test_asking_a_failed_epoch_again_raises_its_failure_not_a_restart(
+    started: bool,
+) -> None:
+    """An epoch that failed (before its start, or after its cleanup dropped its tasks) is never
+    started again by the next ``__anext__``: the consumer reads the failure."""
+    async with AsyncDataLoader(datasets.RangeDataset(8), batch_size=2, num_workers=1) as loader:
+        it = aiter(loader)
+        epoch = it._epoch  # type: ignore[attr-defined]
+        if started:
+            assert int((await asyncio.wait_for(anext(it), 60))[0]) == 0
+        epoch.fail(ValueError("the epoch's own failure"))
+        await asyncio.wait_for(epoch.wait_cleanup(), 60)
+        with pytest.raises(ValueError, match="the epoch's own failure"):
+            await asyncio.wait_for(anext(it), 60)
+        with pytest.raises(StopAsyncIteration):  # as after any fatal error: the epoch is over
+            await asyncio.wait_for(anext(it), 60)
