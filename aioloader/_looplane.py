@@ -46,7 +46,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -233,14 +233,14 @@ class LoopLane:
         try:
             # The last step and the collation share one swap of the generators: at the close,
             # every microsecond is the batch's latency.
-            with self._as_worker(worker_id) as collating:
+            with self._as_worker(worker_id):
                 if done < len(window):
                     self._step(key, window[done:])
                 window.ahead = (key, len(window))
                 began = time.perf_counter()
                 # The samples transformed ahead are taken from the stand-in (or their error
                 # raised).
-                with collating():
+                with self._collating():
                     batch = self._collator.collate(window, self._collate_fn, self._auto_collation)
             data = Direct(batch)
         except BaseException:  # SystemExit from user code too: it belongs to the batch
@@ -263,15 +263,10 @@ class LoopLane:
         return _worker.Result(send_idx, self._epoch.epoch_no, wid, os.getpid(), data, busy)
 
     @contextlib.contextmanager
-    def _as_worker(
-        self, worker_id: int | None
-    ) -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
-        """Run user code as worker ``worker_id`` would see itself (see the module docstring).
-        Yields a context manager for the collation inside: torch's ``default_collate`` builds
-        in shared memory whenever it sees worker info, not for a batch that never leaves this
-        process."""
+    def _as_worker(self, worker_id: int | None) -> Iterator[None]:
+        """Run user code as worker ``worker_id`` would see itself (see the module docstring)."""
         if self._num_workers == 0:
-            yield contextlib.nullcontext
+            yield
             return
         wid = 0 if worker_id is None else worker_id
         gens = self._generators.get(wid)
@@ -281,25 +276,31 @@ class LoopLane:
             )
         local = _threadworkers.thread_local()
         saved = getattr(local, "info", _NO_INFO)
-        info = self._info(wid)
-
-        @contextlib.contextmanager
-        def collating() -> Iterator[None]:
-            local.info = None
-            try:
-                yield
-            finally:
-                local.info = info
-
-        local.info = info
+        local.info = self._info(wid)
         try:
             with gens.current():
-                yield collating
+                yield
         finally:
             if saved is _NO_INFO:
                 del local.info
             else:
                 local.info = saved
+
+    @contextlib.contextmanager
+    def _collating(self) -> Iterator[None]:
+        """Inside :meth:`_as_worker`: no worker info for ``collate_fn``. torch's
+        ``default_collate`` builds in shared memory whenever it sees worker info, not for a
+        batch that never leaves this process."""
+        local = _threadworkers.thread_local()
+        info = getattr(local, "info", _NO_INFO)
+        if info is _NO_INFO:  # num_workers=0: there is none
+            yield
+            return
+        local.info = None
+        try:
+            yield
+        finally:
+            local.info = info
 
     def _info(self, wid: int) -> Any:
         plan = self._epoch.plan
