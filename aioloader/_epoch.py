@@ -400,9 +400,10 @@ class Epoch:
     async def _start(self) -> None:
         try:
             backend, owned = await self.host.acquire_backend(self.plan, self.base_seed)
-        except OSError as exc:
-            if exc.errno == errno.EMFILE:
-                raise emfile_error(exc) from exc
+        except Exception as exc:
+            failure = start_failure(exc)
+            if failure is not exc:
+                raise failure from exc
             raise
         if self.terminal:  # ended while the workers started
             if owned:

@@ -76,6 +76,21 @@ class _GiveUp(Exception):
     """Executor.grow: the pool broke or shut down, or the caller stopped, while it started."""
 
 
+class LaunchError(RuntimeError):
+    """Worker processes kept dying while they were being started (see :data:`LAUNCH_ATTEMPTS`)."""
+
+
+#: Times in a row a worker process is started again when it dies before its parent has handed
+#: it its start-up data. Such a process ran none of the user's code and held no batch (nothing
+#: is lost or repeated), so this is not a worker restart; something outside kills processes.
+LAUNCH_ATTEMPTS = 3
+
+#: What ``Process.start()`` raises when the new process died during the hand-over: the write of
+#: its start-up data into its pipe finds no reader (forkserver), or the fork server that forks it
+#: went away.
+_LAUNCH_DEATHS = (BrokenPipeError, ConnectionResetError, ConnectionRefusedError, EOFError)
+
+
 _logger = logging.getLogger(__name__)
 
 
@@ -863,9 +878,8 @@ class Executor(ProcessPoolExecutor):
         # CPython's own "start them all" (_launch_processes) is for fork only and asserts that no
         # manager thread exists yet; this does the same for every start method.
         target = self._max_workers if count is None else min(count, self._max_workers)  # type: ignore[attr-defined]
-        with quiet_fork_warning(), _sigint_blocked(), _forking(self):
-            while len(self._processes) < target:
-                self._spawn_process()  # type: ignore[attr-defined]
+        while len(self._processes) < target:
+            self._spawn_process()
         if self._lane is not None and self._processes:
             self._lane.started()
 
@@ -918,9 +932,18 @@ class Executor(ProcessPoolExecutor):
             raise
         return True
 
+    def _spawn_process(self) -> None:
+        # CPython's, with the launch retried (:meth:`_new_process`); every start goes through
+        # here or :meth:`grow`.
+        p = self._new_process()
+        procs: Any = self._processes
+        procs[p.pid] = p
+
     def _new_process(self) -> BaseProcess:
         """One worker process, started, not yet one of the executor's (CPython's
-        ``_spawn_process`` without the registration; the same in 3.11, 3.12 and 3.13)."""
+        ``_spawn_process`` without the registration; the same in 3.11, 3.12 and 3.13). Started
+        again if it dies while being started, :data:`LAUNCH_ATTEMPTS` times in all, then
+        :class:`LaunchError`."""
         ctx: Any = self._mp_context
         args = (
             self._call_queue,  # type: ignore[attr-defined]
@@ -929,10 +952,30 @@ class Executor(ProcessPoolExecutor):
             self._initargs,
             self._max_tasks_per_child,  # type: ignore[attr-defined]
         )
-        p: BaseProcess = ctx.Process(target=_process._process_worker, args=args)
-        with _sigint_blocked(), _forking(self):
-            p.start()
-        return p
+        for attempt in itertools.count(1):
+            p: BaseProcess = ctx.Process(target=_process._process_worker, args=args)
+            try:
+                with quiet_fork_warning(), _sigint_blocked(), _forking(self):
+                    p.start()
+            except _LAUNCH_DEATHS as exc:
+                _release_launch(exc)
+                if attempt >= LAUNCH_ATTEMPTS:
+                    raise LaunchError(
+                        f"DataLoader worker process died while it was being started, "
+                        f"{attempt} times in a row ({exc!r}): something kills new processes "
+                        "(an out-of-memory killer, a process limit, a supervisor)"
+                    ) from exc
+                # Logged, not warned: under -W error a warning here would fail the start.
+                _logger.warning(
+                    "a DataLoader worker process died while it was being started (%r); "
+                    "starting another (attempt %d of %d)",
+                    exc,
+                    attempt + 1,
+                    LAUNCH_ATTEMPTS,
+                )
+                continue
+            return p
+        raise AssertionError("unreachable")
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         lane = self._lane
@@ -1159,6 +1202,24 @@ def _filters_mutated() -> None:
     mutated = getattr(warnings, "_filters_mutated", None)
     if mutated is not None:
         mutated()
+
+
+def _release_launch(exc: BaseException) -> None:
+    """Close the pipes a ``Process.start()`` that failed half-way holds, now.
+
+    The failed start leaves its ``Popen`` object only in the traceback's frames (the process
+    never gets it), and with it its pipes to the dead process, until the garbage collector
+    breaks the frame cycle; its finalizer closes them. (Forkserver: the fork server reaps the
+    dead process. Spawn keeps its own copy of the child's read end during the hand-over, so the
+    write does not fail there: the death shows as an ordinary crash once the worker is up.)
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        finalizer = getattr(tb.tb_frame.f_locals.get("self"), "finalizer", None)
+        if isinstance(finalizer, util.Finalize):
+            finalizer()
+            return
+        tb = tb.tb_next
 
 
 @contextlib.contextmanager

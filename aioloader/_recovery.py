@@ -18,6 +18,10 @@ Policy, per epoch (``max_worker_restarts``):
 * past ``max_worker_restarts`` restarts the epoch fails with
   :class:`~aioloader.WorkerCrashedError`.
 
+A process that dies while its parent hands it its start-up data is not a crash: the pool starts
+another at once (``_procpool.LAUNCH_ATTEMPTS``), and only a run of such deaths fails the epoch,
+with :class:`~aioloader.WorkerCrashedError` (:func:`start_failure`).
+
 A crash is attributed to a batch only if the dead worker reported this epoch's number with it, so a
 persistent worker that dies on an abandoned epoch's batch is not blamed on this one's.
 """
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ._errors import PoisonBatchError, WorkerCrashedError, emfile_error
 from ._executor import CrashReport
 from ._phase import Phase
+from ._procpool import LaunchError
 from ._tasks import start_task
 from ._threads import run_off_loop
 
@@ -277,4 +282,8 @@ def start_failure(error: BaseException) -> BaseException:
     """The error an epoch fails with when workers could not start."""
     if isinstance(error, OSError) and error.errno == errno.EMFILE:
         return emfile_error(error)
+    if isinstance(error, LaunchError):
+        crashed = WorkerCrashedError(str(error))
+        crashed.__cause__ = error
+        return crashed
     return error

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import importlib.util
+import logging.handlers
 import multiprocessing
 import os
 import signal
@@ -302,6 +304,100 @@ def fork_warning(pp: ModuleType) -> str:
     return f"ok: control warned={bool(control)}, ours did not"
 
 
+def launch_retry(pp: ModuleType) -> str:
+    """A forkserver worker killed between its fork and its parent's hand-over of its start-up
+    data is started again; the dead launch's pipes are closed at once (not by a later garbage
+    collection); a run of such deaths ends in LaunchError."""
+    import multiprocessing.forkserver as fs
+
+    original = fs.connect_to_new_process
+    doomed: set[int] | None = {1}
+    launches = 0
+    dead_pipes: set[str] = set()  # "pipe:[inode]" of the dead launches' ends
+
+    def killing(fds: Any) -> Any:
+        nonlocal launches
+        server = fs._forkserver._forkserver_pid
+        before = _children_of(server)
+        ends = original(fds)
+        launches += 1
+        if doomed is None or launches in doomed:
+            dead_pipes.update(os.readlink(f"/proc/self/fd/{fd}") for fd in ends)
+            deadline = time.monotonic() + HANG_S
+            while not (new := _children_of(server) - before):
+                if time.monotonic() > deadline:
+                    raise AssertionError("the fork server forked nothing")
+                time.sleep(0.001)
+            pid = min(new)
+            os.kill(pid, signal.SIGKILL)
+            while pid in _children_of(server) and time.monotonic() < deadline:
+                time.sleep(0.001)  # reaped by the fork server
+            time.sleep(0.05)  # which closes its copy of the pipe's read end after the fork
+        return ends
+
+    def open_dead_pipes() -> set[str]:
+        out = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                out.add(os.readlink(f"/proc/self/fd/{fd}"))
+        return out & dead_pipes
+
+    ctx = multiprocessing.get_context("forkserver")
+    within(60, lambda: ctx.Process(target=nap, args=(0,)).start())  # the fork server is up
+    # A handler that keeps what it logs (as pytest's caplog does), the warning's exception too.
+    kept = logging.handlers.BufferingHandler(1000)
+    pp._logger.addHandler(kept)
+    fs.connect_to_new_process = killing
+    gc.disable()
+    try:
+        ex = pp.Executor(2, mp_context=ctx)
+        ok, _ = within(60, ex.start_workers)
+        left = open_dead_pipes()
+        procs = ex.processes()
+        got = {f.result(timeout=60) for f in [ex.submit(os.getpid) for _ in range(4)]}
+        pp.kill_executors([ex], procs, [ex._executor_manager_thread], [ex._result_queue], 5)
+        if not ok or len(procs) != 2 or launches != 3 or not got <= {p.pid for p in procs}:
+            return f"FAIL: started {ok}, {len(procs)} processes after {launches} launches"
+        if len(dead_pipes) != 2 or left:
+            return f"FAIL: the dead launch's pipes {sorted(dead_pipes)}: {sorted(left)} still open"
+        doomed = None
+        launches = 0
+        ex = pp.Executor(1, mp_context=ctx)
+        try:
+            ex.start_workers()
+        except pp.LaunchError as exc:
+            error = str(exc)
+        else:
+            return "FAIL: no LaunchError when every launch dies"
+        finally:
+            pp.kill_executors([ex], ex.processes(), [], [ex._result_queue], 5)
+        if launches != pp.LAUNCH_ATTEMPTS or "times in a row" not in error:
+            return f"FAIL: {launches} launches, {error!r}"
+        if open_dead_pipes():
+            return f"FAIL: pipes of dead launches still open: {sorted(open_dead_pipes())}"
+        if len(kept.buffer) != pp.LAUNCH_ATTEMPTS:  # one for the first wave, two for the run
+            return f"FAIL: {len(kept.buffer)} warnings logged"
+    finally:
+        fs.connect_to_new_process = original
+        gc.enable()
+        pp._logger.removeHandler(kept)
+    return f"ok: started again after a death in the hand-over; {launches} deaths: LaunchError"
+
+
+def _children_of(pid: int | None) -> set[int]:
+    """Live children of ``pid`` (from /proc: this check needs no psutil)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.add(int(entry))
+    return out
+
+
 def main(argv: list[str]) -> int:
     # Whatever hangs in a way the scenarios do not catch: tracebacks, then exit.
     faulthandler.dump_traceback_later(240, exit=True)
@@ -318,6 +414,7 @@ def main(argv: list[str]) -> int:
         "start_all_fork": lambda: start_all(pp, "fork"),
         "fork_warning": lambda: fork_warning(pp),
         "staggered": lambda: staggered(pp),
+        "launch_retry": lambda: launch_retry(pp),
     }
     failed = False
     for name in names or list(scenarios):

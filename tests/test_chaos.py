@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import multiprocessing.forkserver
 import os
 import random
 import select
@@ -17,6 +19,7 @@ import textwrap
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -211,3 +214,83 @@ async def test_worker_death_after_an_abandoned_epoch_is_recovered(tmp_path: Path
             got = [int(b[0, 0]) for b in await collect(loader)]
         assert got == list(range(6))
         assert loader.stats().worker_restarts == 1
+
+
+class _LaunchKiller:
+    """Kills chosen forkserver workers right after the fork server forked them and before their
+    parent handed them their start-up data (what a SIGKILL that lands during the start does):
+    the parent's write of that data then finds no reader. Launches are counted from 1."""
+
+    def __init__(self, doomed: set[int] | None) -> None:
+        self.doomed = doomed  # None: every launch
+        self.launches = 0
+        self.killed: list[int] = []
+        self.original = multiprocessing.forkserver.connect_to_new_process
+
+    def __call__(self, fds: Any) -> Any:
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        assert server is not None
+        before = {p.pid for p in psutil.Process(server).children()}
+        ends = self.original(fds)
+        self.launches += 1
+        if self.doomed is not None and self.launches not in self.doomed:
+            return ends
+        deadline = time.monotonic() + 10
+        while True:
+            new = [p for p in psutil.Process(server).children() if p.pid not in before]
+            if new:
+                break
+            assert time.monotonic() < deadline, "the fork server forked no process"
+            time.sleep(0.001)
+        child = new[0]
+        child.kill()
+        self.killed.append(child.pid)
+        # Gone (reaped by the fork server), so that nothing holds the pipe's read end.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.wait(timeout=10)
+        time.sleep(0.05)  # the fork server closes its copy of the read end after the fork
+        return ends
+
+
+@pytest.mark.parametrize("launch", [1, 2], ids=["first-wave", "second-wave"])
+async def test_a_worker_killed_while_it_is_being_started_is_started_again(
+    launch: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    killer = _LaunchKiller({launch})
+    monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", killer)
+    caplog.set_level(logging.WARNING, logger="aioloader._procpool")
+    ds = datasets.PidDataset(40)
+    async with AsyncDataLoader(
+        ds, batch_size=4, num_workers=2, multiprocessing_context="forkserver"
+    ) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no crash, so no restart warning
+            batches = await collect(loader, limit=60)
+        assert [int(i) for b in batches for i in b[:, 0]] == list(range(40))
+        assert loader.stats().worker_restarts == 0  # nothing was lost: not a restart
+        assert not set(killer.killed) & {int(pid) for b in batches for pid in b[:, 1]}
+    assert len(killer.killed) == 1 and killer.launches == 3
+    assert any("died while it was being started" in r.getMessage() for r in caplog.records)
+
+
+async def test_workers_that_always_die_while_starting_fail_the_epoch_with_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aioloader._procpool import LAUNCH_ATTEMPTS
+
+    killer = _LaunchKiller(None)
+    monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", killer)
+    loader = AsyncDataLoader(
+        datasets.PidDataset(8), batch_size=4, num_workers=2, multiprocessing_context="forkserver"
+    )
+    try:
+        with pytest.raises(WorkerCrashedError, match="being started, 3 times in a row"):
+            await collect(loader, limit=60)
+        assert killer.launches == LAUNCH_ATTEMPTS == len(killer.killed)
+        # Once processes can start again, so can the loader.
+        monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", killer.original)
+        batches = await collect(loader, limit=60)
+        assert [int(i) for b in batches for i in b[:, 0]] == list(range(8))
+    finally:
+        async with asyncio.timeout(30):
+            await loader.aclose()

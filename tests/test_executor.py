@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import process as _cf_process
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -231,15 +231,7 @@ def process_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Names of the threads that start worker processes, in order. Each start is followed by a
     pause, as on a busy machine: the workers started first are idle before the next start."""
     starts: list[str] = []
-    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
-
-    def slow_spawn(self: ProcessPoolExecutor) -> None:
-        spawn(self)
-        starts.append(threading.current_thread().name)
-        time.sleep(0.5)
-
-    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", slow_spawn)
-    new_process = Executor._new_process  # a shared pool's second wave
+    new_process = Executor._new_process  # every process start, in either wave
 
     def slow_new_process(self: Executor) -> Any:
         p = new_process(self)
@@ -347,16 +339,16 @@ async def test_start_failing_half_way_leaves_no_process(
 ) -> None:
     """A start that fails after some processes exist kills them and closes the payload."""
     calls = 0
-    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
+    spawn = Executor._spawn_process
 
-    def flaky(self: ProcessPoolExecutor) -> None:
+    def flaky(self: Executor) -> None:
         nonlocal calls
         calls += 1
         if calls == 3:  # e.g. fork() failing with EAGAIN at the process limit
             raise OSError(11, "Resource temporarily unavailable")
         spawn(self)
 
-    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", flaky)
+    monkeypatch.setattr(Executor, "_spawn_process", flaky)
     specs: list[_worker.WorkerSpec] = []
     ctx = multiprocessing.get_context("forkserver")
 
@@ -378,16 +370,16 @@ async def test_pinned_fork_pool_forks_every_worker_before_any_thread(
 ) -> None:
     """Under fork a thread running at the instant of a fork can leave the child a lock nobody
     releases: a pinned pool forks all its workers before it starts any manager thread."""
-    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
+    spawn = Executor._spawn_process
     managers_at_fork: list[int] = []
 
-    def counting_spawn(self: ProcessPoolExecutor) -> None:
+    def counting_spawn(self: Executor) -> None:
         managers_at_fork.append(
             sum(isinstance(t, _cf_process._ExecutorManagerThread) for t in threading.enumerate())
         )
         spawn(self)
 
-    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", counting_spawn)
+    monkeypatch.setattr(Executor, "_spawn_process", counting_spawn)
     pool = await start_pool(PidDataset(8), 3, "fork", per_worker=True)
     try:
         # Every fork ended before start() returned: no code of the user's runs on another
@@ -520,14 +512,14 @@ async def test_shutdown_before_the_second_wave_starts_none_of_it(
 async def test_second_wave_start_failure_fails_the_epoch(
     monkeypatch: pytest.MonkeyPatch, wave_of_one: None
 ) -> None:
-    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
+    spawn = Executor._spawn_process
 
-    def no_second(self: ProcessPoolExecutor) -> None:
+    def no_second(self: Executor) -> None:
         if threading.current_thread().name == "aioloader-start-rest":
             raise OSError(11, "Resource temporarily unavailable")
         spawn(self)
 
-    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", no_second)
+    monkeypatch.setattr(Executor, "_spawn_process", no_second)
     loader = AsyncDataLoader(
         PidDataset(12), batch_size=2, num_workers=3, multiprocessing_context="forkserver"
     )
@@ -546,15 +538,15 @@ async def test_second_wave_failing_after_its_epoch_ended_fails_the_next_one(
     epoch fails with that error instead of waiting for workers that never start, and the one
     after it gets a fresh pool."""
     gate = threading.Event()
-    spawn = ProcessPoolExecutor._spawn_process  # type: ignore[attr-defined]
+    spawn = Executor._spawn_process
 
-    def gated(self: ProcessPoolExecutor) -> None:
+    def gated(self: Executor) -> None:
         if threading.current_thread().name == "aioloader-start-rest":
             gate.wait(60)
             raise OSError(11, "Resource temporarily unavailable")
         spawn(self)
 
-    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", gated)
+    monkeypatch.setattr(Executor, "_spawn_process", gated)
     loader = AsyncDataLoader(
         PidDataset(12),
         batch_size=2,
@@ -571,7 +563,7 @@ async def test_second_wave_failing_after_its_epoch_ended_fails_the_next_one(
             with pytest.raises(OSError, match="temporarily unavailable"):
                 async for _ in loader:
                     pass
-            monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", spawn)
+            monkeypatch.setattr(Executor, "_spawn_process", spawn)
             seen = [i for b in [b async for b in loader] for i in b[:, 0].tolist()]
             assert seen == list(range(12))
             assert loader._pool_owner.pool is not first_pool
