@@ -15,8 +15,14 @@ Where a window runs is decided by what it costs, per epoch:
   once they measured at most :data:`MAX_COLLATE_S` plus :data:`MAX_SAMPLE_S` per sample for a
   window (transform and collate; an upper bound, since a worker that just woke runs slower than
   the loop does warm).
-* Only while the source is paced: the loop spent at least :data:`MIN_IDLE` of the last window's
-  filling waiting for samples. An unpaced source keeps the workers busy in parallel instead.
+* While the source is paced: the loop spent at least :data:`MIN_IDLE` of the last window's
+  filling waiting for samples.
+* An unpaced source (the loop never waits for it) is raced: windows go to the workers and to the
+  lane in periods of :data:`RACE_PERIOD` windows, each way timed (windows per second, what the
+  consumer gets), and the faster way keeps them; the lane only when it was at least
+  :data:`RACE_MARGIN` times faster. The other way is timed again from time to time
+  (:class:`_Race`). On a quiet machine the workers win (they run beside the loop); where other
+  processes want the cores, the process hops cost more than they bring and the lane wins.
 * The lane times itself too: once its transform takes more than :data:`MAX_SAMPLE_S` per sample,
   or its collate more than :data:`MAX_COLLATE_S` (moving averages, from its third window on),
   later windows of the epoch go back to the workers (the one at hand finishes on the loop: a
@@ -75,8 +81,70 @@ MAX_COLLATE_S = 0.001
 STEP_S = 0.0005
 #: Share of a window's filling the loop must have spent waiting for the source (it is paced).
 MIN_IDLE = 0.25
+#: Unpaced source: windows per period of the race between the workers and the lane.
+RACE_PERIOD = 32
+#: ... after this many periods, the way not in use is timed again (the machine's load changes);
+#: each time it loses again, after twice as many, up to RACE_RECHECK_MAX.
+RACE_RECHECK = 8
+RACE_RECHECK_MAX = 64
+#: ... and the lane takes the windows only when it measured this much faster than the workers:
+#: a tie leaves the loop free.
+RACE_MARGIN = 1.1
 
 _NO_INFO = object()
+
+
+class _Race:
+    """An unpaced source's windows: the workers against the lane, timed in turns.
+
+    A period is :data:`RACE_PERIOD` consecutive windows sent one way; its rate is windows per
+    second from the first window's start to the start of the next period's first (waits for a
+    permit included: what the consumer gets). Windows of an unpaced source are full, so windows
+    per second are events per second. The way that lost is timed again after
+    :data:`RACE_RECHECK` periods, twice as many after each time it loses again (up to
+    :data:`RACE_RECHECK_MAX`), so a settled race costs ever less.
+    """
+
+    def __init__(self) -> None:
+        #: The way that won the last comparison (False: the workers, True: the lane).
+        self.best = False
+        #: The current period's windows run on the lane.
+        self.here = False
+        #: The last rate measured each way.
+        self.rates: dict[bool, float] = {}
+        self._recheck = RACE_RECHECK
+        self._since = 0  # periods since the last comparison
+        self._count = 0
+        self._began: float | None = None
+
+    def restart(self) -> None:
+        """Drop the period under way (its windows were not all sent the raced way)."""
+        self._count = 0
+        self._began = None
+
+    def next(self, now: float) -> bool:
+        """Whether the next window runs on the lane."""
+        if self._began is None:
+            self._began = now
+        elif self._count >= RACE_PERIOD:
+            self.here = self._ended(self._count / max(now - self._began, 1e-9))
+            self._began, self._count = now, 0
+        self._count += 1
+        return self.here
+
+    def _ended(self, rate: float) -> bool:
+        """Record a period's rate; the way the next period goes."""
+        self.rates[self.here] = rate
+        if self.here != self.best:  # the other way was timed: compare
+            best = self.rates[True] > self.rates[False] * RACE_MARGIN
+            lost = best == self.best
+            self._recheck = min(2 * self._recheck, RACE_RECHECK_MAX) if lost else RACE_RECHECK
+            self.best, self._since = best, 0
+            return best
+        self._since += 1
+        if (not self.best) not in self.rates or self._since >= self._recheck:
+            return not self.best
+        return self.best
 
 
 class LaneSide(Protocol):
@@ -180,17 +248,20 @@ class LoopLane:
         self._collate_s: float | None = None
         #: Windows delivered from the lane (stats, tests).
         self.windows = 0
+        self._race = _Race()
 
     def usable(self, idle: float) -> bool:
         """Whether the next window runs here: cheap as the workers measured it, and the source
-        paced (``idle``: the share of the last window's filling spent waiting for it)."""
+        paced (``idle``: the share of the last window's filling spent waiting for it), or not
+        paced and the lane the faster way (:class:`_Race`). Called once per window."""
         cost = self._epoch.window_cost
-        return (
-            not self._closed
-            and idle >= MIN_IDLE
-            and cost is not None
-            and cost[0] <= MAX_COLLATE_S + MAX_SAMPLE_S * cost[1]
-        )
+        if self._closed or cost is None or cost[0] > MAX_COLLATE_S + MAX_SAMPLE_S * cost[1]:
+            self._race.restart()
+            return False
+        if idle >= MIN_IDLE:
+            self._race.restart()  # the source's pace, not the pipeline's, sets the rate now
+            return True
+        return self._race.next(time.perf_counter())
 
     def _per_step(self) -> int:
         """Samples per step, from the lane's own measure, else the most a sample may take."""

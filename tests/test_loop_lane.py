@@ -9,6 +9,7 @@ any measure or a source that never keeps the loader waiting.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import threading
@@ -193,13 +194,105 @@ async def test_a_dear_transform_stays_in_the_workers() -> None:
 
 
 @pytest.mark.usefixtures("lane_open")
-async def test_an_unpaced_source_stays_in_the_workers() -> None:
+async def test_an_unpaced_sources_first_windows_go_to_the_workers() -> None:
+    """Until a race period (RACE_PERIOD windows) has been timed, nothing runs on the loop."""
+    assert N // BATCH < _looplane.RACE_PERIOD
     async with AsyncDataLoader(
         ss.Counting(N), batch_size=BATCH, num_workers=2, transform=where, transform_in="auto"
     ) as loader:
         got: list[Any] = await collect(loader)
     _in_order(got)
     assert os.getpid() not in _pids(got)
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_an_unpaced_source_moving_between_lane_and_workers_keeps_every_event_once_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows change ways every period (as a race that keeps changing its mind would): the
+    batches still arrive in order, each event once, some from the loop and some from workers."""
+    monkeypatch.setattr(_looplane, "RACE_PERIOD", 3)
+    monkeypatch.setattr(_looplane._Race, "_ended", lambda race, rate: not race.here)
+    n = 240
+    async with AsyncDataLoader(
+        ss.Counting(n), batch_size=BATCH, num_workers=2, transform=where, transform_in="auto"
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    assert [int(v) for b in got for v in b["x"].flatten()] == list(range(n))
+    pids = _pids(got)
+    assert os.getpid() in pids and len(set(pids)) >= 2
+    # Several switches each way, not one move half-way.
+    switches = sum(
+        1 for a, b in itertools.pairwise(pids) if (a == os.getpid()) != (b == os.getpid())
+    )
+    assert switches >= 4
+
+
+class _Clock:
+    """Drives a race: ``period(way_s)`` sends one period of windows, each taking the time its
+    way takes; returns the way the windows of that period took (True: the lane)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.race = _looplane._Race()
+
+    def period(self, lane_s: float, workers_s: float) -> bool:
+        ways = set()
+        for _ in range(_looplane.RACE_PERIOD):
+            here = self.race.next(self.now)
+            ways.add(here)
+            self.now += lane_s if here else workers_s
+        assert len(ways) == 1, "a period's windows all go one way"
+        return ways.pop()
+
+
+def test_the_race_keeps_the_workers_when_they_are_faster_and_times_the_lane_ever_less_often() -> (
+    None
+):
+    clock = _Clock()
+    ways = [clock.period(lane_s=0.002, workers_s=0.001) for _ in range(200)]
+    lane_periods = [i for i, here in enumerate(ways) if here]
+    assert ways[0] is False and ways[1] is True  # each way timed once at the start
+    gaps = [b - a for a, b in itertools.pairwise(lane_periods)]
+    assert gaps == sorted(gaps) and gaps[-1] == _looplane.RACE_RECHECK_MAX + 1
+    assert len(lane_periods) < 10
+
+
+def test_the_race_moves_to_the_lane_only_when_it_is_clearly_faster() -> None:
+    clock = _Clock()
+    within_margin = [clock.period(lane_s=0.00095, workers_s=0.001) for _ in range(50)]
+    assert sum(within_margin) < 10  # a tie leaves the loop free: the workers keep them
+    clock = _Clock()
+    faster = [clock.period(lane_s=0.0005, workers_s=0.001) for _ in range(50)]
+    assert sum(faster) > 40
+
+
+def test_the_race_follows_the_machines_load_both_ways() -> None:
+    clock = _Clock()
+    for _ in range(20):  # quiet: the workers win
+        clock.period(lane_s=0.002, workers_s=0.001)
+    # Loaded: the workers slow down, and the lane wins once it is timed again.
+    loaded = [
+        clock.period(lane_s=0.002, workers_s=0.004) for _ in range(_looplane.RACE_RECHECK_MAX + 10)
+    ]
+    assert all(loaded[-5:])
+    # Quiet again: the workers are timed again and win back.
+    quiet = [
+        clock.period(lane_s=0.002, workers_s=0.001) for _ in range(_looplane.RACE_RECHECK_MAX + 10)
+    ]
+    assert not any(quiet[-5:])
+
+
+def test_a_restarted_period_is_not_timed() -> None:
+    """A paced window in the middle of a period (the source kept the loader waiting) drops it:
+    that period's rate would be the source's."""
+    race = _looplane._Race()
+    for i in range(_looplane.RACE_PERIOD - 1):
+        race.next(i * 0.001)
+    race.restart()
+    for i in range(_looplane.RACE_PERIOD + 1):
+        race.next(1.0 + i * 0.001)
+    assert race.rates == {False: pytest.approx(1000.0)}
 
 
 @pytest.mark.usefixtures("lane_open")
