@@ -122,7 +122,7 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
             process whatever the executor.
         transform: Async sources only: a picklable callable applied to each sample before
             ``collate_fn``: in the workers (or the ``num_workers=0`` thread), or on this event
-            loop for a paced stream's cheap windows (see ``transform_in``).
+            loop for cheap windows (see ``transform_in``).
         max_batch_latency: Async iterable sources only: seconds after a batch's first sample
             arrived at which the batch closes even if it holds fewer than ``batch_size`` samples.
             ``None`` (the default) closes batches by size alone.
@@ -138,10 +138,12 @@ class AsyncDataLoader(TorchAttributes, Generic[_B]):
         fetch_policy: Async map-style datasets: a :class:`~aioloader.FetchPolicy` (per-call
             timeout, retries of transient failures, hedged calls). Default: ``FetchPolicy()``.
         transform_in: Async iterable sources: where a window's ``transform`` and
-            ``collate_fn`` run. ``"auto"`` (what None, the default, means): while the source
-            keeps the loader waiting and the workers measured the work as cheap, this event loop
-            does it as samples arrive, in steps of at most about 0.5 ms, with no process hop
-            (lower latency for a paced stream); otherwise the workers. ``"workers"``: always in
+            ``collate_fn`` run. ``"auto"`` (what None, the default, means): where the workers
+            measured the work as cheap, this event loop does it, in steps of at most about
+            0.5 ms, with no process hop: as samples arrive while the source keeps the loader
+            waiting (lower latency for a paced stream), and for an unpaced source while that
+            measures faster than the workers (a machine whose cores are busy); otherwise the
+            workers. ``"workers"``: always in
             a worker process, so a crash in them is a worker's. See docs/streaming.md. With
             ``num_workers=0`` everything runs in this process anyway, and it is always
             ``"auto"``.

@@ -83,6 +83,8 @@ STEP_S = 0.0005
 MIN_IDLE = 0.25
 #: Unpaced source: windows per period of the race between the workers and the lane.
 RACE_PERIOD = 32
+#: ... not timed: the windows after a change of way (those of the other way still in flight).
+RACE_SETTLE = 8
 #: ... after this many periods, the way not in use is timed again (the machine's load changes);
 #: each time it loses again, after twice as many, up to RACE_RECHECK_MAX.
 RACE_RECHECK = 8
@@ -97,9 +99,10 @@ _NO_INFO = object()
 class _Race:
     """An unpaced source's windows: the workers against the lane, timed in turns.
 
-    A period is :data:`RACE_PERIOD` consecutive windows sent one way; its rate is windows per
-    second from the first window's start to the start of the next period's first (waits for a
-    permit included: what the consumer gets). Windows of an unpaced source are full, so windows
+    A period is :data:`RACE_PERIOD` consecutive windows sent one way (after a change of way,
+    once :data:`RACE_SETTLE` more have gone); its rate is windows per second from the first
+    window's start to the start of the window after its last (waits for a permit included: what
+    the consumer gets). Windows of an unpaced source are full, so windows
     per second are events per second. The way that lost is timed again after
     :data:`RACE_RECHECK` periods, twice as many after each time it loses again (up to
     :data:`RACE_RECHECK_MAX`), so a settled race costs ever less.
@@ -116,6 +119,7 @@ class _Race:
         self._since = 0  # periods since the last comparison
         self._count = 0
         self._began: float | None = None
+        self._settling = 0  # windows left before the period's timing starts
 
     def restart(self) -> None:
         """Drop the period under way (its windows were not all sent the raced way)."""
@@ -124,11 +128,18 @@ class _Race:
 
     def next(self, now: float) -> bool:
         """Whether the next window runs on the lane."""
+        if self._count >= RACE_PERIOD and self._began is not None:
+            here = self._ended(self._count / max(now - self._began, 1e-9))
+            if here != self.here:
+                # The first windows after a change are not timed: they wait behind the other
+                # way's windows still in flight (and the lane's first ones warm it up).
+                self.here, self._settling = here, RACE_SETTLE
+            self.restart()
+        if self._settling:
+            self._settling -= 1
+            return self.here
         if self._began is None:
             self._began = now
-        elif self._count >= RACE_PERIOD:
-            self.here = self._ended(self._count / max(now - self._began, 1e-9))
-            self._began, self._count = now, 0
         self._count += 1
         return self.here
 

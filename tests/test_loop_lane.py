@@ -229,58 +229,58 @@ async def test_an_unpaced_source_moving_between_lane_and_workers_keeps_every_eve
 
 
 class _Clock:
-    """Drives a race: ``period(way_s)`` sends one period of windows, each taking the time its
-    way takes; returns the way the windows of that period took (True: the lane)."""
+    """Drives a race: each window takes the time its way takes."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self.race = _looplane._Race()
 
-    def period(self, lane_s: float, workers_s: float) -> bool:
-        ways = set()
-        for _ in range(_looplane.RACE_PERIOD):
+    def windows(self, periods: int, lane_s: float, workers_s: float) -> list[bool]:
+        """The way each of ``periods * RACE_PERIOD`` windows went (True: the lane)."""
+        ways = []
+        for _ in range(periods * _looplane.RACE_PERIOD):
             here = self.race.next(self.now)
-            ways.add(here)
+            ways.append(here)
             self.now += lane_s if here else workers_s
-        assert len(ways) == 1, "a period's windows all go one way"
-        return ways.pop()
+        return ways
+
+
+def _runs(ways: list[bool]) -> list[tuple[bool, int]]:
+    """(way, consecutive windows) in order."""
+    return [(way, len(list(group))) for way, group in itertools.groupby(ways)]
 
 
 def test_the_race_keeps_the_workers_when_they_are_faster_and_times_the_lane_ever_less_often() -> (
     None
 ):
-    clock = _Clock()
-    ways = [clock.period(lane_s=0.002, workers_s=0.001) for _ in range(200)]
-    lane_periods = [i for i, here in enumerate(ways) if here]
-    assert ways[0] is False and ways[1] is True  # each way timed once at the start
-    gaps = [b - a for a, b in itertools.pairwise(lane_periods)]
-    assert gaps == sorted(gaps) and gaps[-1] == _looplane.RACE_RECHECK_MAX + 1
-    assert len(lane_periods) < 10
+    ways = _Clock().windows(300, lane_s=0.002, workers_s=0.001)
+    runs = _runs(ways)
+    assert runs[0] == (False, _looplane.RACE_PERIOD)  # the workers first, then the lane timed
+    lane = [n for way, n in runs if way]
+    workers = [n for way, n in runs if not way][1:-1]  # between two timings of the lane
+    assert set(lane) == {_looplane.RACE_SETTLE + _looplane.RACE_PERIOD}  # one period each
+    assert workers == sorted(workers) and len(set(workers)) >= 3
+    assert workers[-1] == _looplane.RACE_SETTLE + _looplane.RACE_RECHECK_MAX * _looplane.RACE_PERIOD
+    assert sum(ways) / len(ways) < 0.05
 
 
 def test_the_race_moves_to_the_lane_only_when_it_is_clearly_faster() -> None:
-    clock = _Clock()
-    within_margin = [clock.period(lane_s=0.00095, workers_s=0.001) for _ in range(50)]
-    assert sum(within_margin) < 10  # a tie leaves the loop free: the workers keep them
-    clock = _Clock()
-    faster = [clock.period(lane_s=0.0005, workers_s=0.001) for _ in range(50)]
-    assert sum(faster) > 40
+    within_margin = _Clock().windows(100, lane_s=0.00095, workers_s=0.001)
+    assert sum(within_margin) / len(within_margin) < 0.1  # a tie leaves the loop free
+    faster = _Clock().windows(100, lane_s=0.0005, workers_s=0.001)
+    assert sum(faster) / len(faster) > 0.9
 
 
 def test_the_race_follows_the_machines_load_both_ways() -> None:
     clock = _Clock()
-    for _ in range(20):  # quiet: the workers win
-        clock.period(lane_s=0.002, workers_s=0.001)
+    clock.windows(20, lane_s=0.002, workers_s=0.001)  # quiet: the workers win
     # Loaded: the workers slow down, and the lane wins once it is timed again.
-    loaded = [
-        clock.period(lane_s=0.002, workers_s=0.004) for _ in range(_looplane.RACE_RECHECK_MAX + 10)
-    ]
-    assert all(loaded[-5:])
+    periods = _looplane.RACE_RECHECK_MAX + 10
+    loaded = clock.windows(periods, lane_s=0.002, workers_s=0.004)
+    assert all(loaded[-5 * _looplane.RACE_PERIOD :])
     # Quiet again: the workers are timed again and win back.
-    quiet = [
-        clock.period(lane_s=0.002, workers_s=0.001) for _ in range(_looplane.RACE_RECHECK_MAX + 10)
-    ]
-    assert not any(quiet[-5:])
+    quiet = clock.windows(periods, lane_s=0.002, workers_s=0.001)
+    assert not any(quiet[-5 * _looplane.RACE_PERIOD :])
 
 
 def test_a_restarted_period_is_not_timed() -> None:
