@@ -18,8 +18,8 @@ Where a window runs is decided by what it costs, per epoch:
 * While the source is paced: the loop spent at least :data:`MIN_IDLE` of the last window's
   filling waiting for samples.
 * An unpaced source (the loop never waits for it) is raced: windows go to the workers and to the
-  lane in periods of :data:`RACE_PERIOD` windows, each way timed (windows per second, what the
-  consumer gets), and the faster way keeps them; the lane only when it was at least
+  lane in periods of :data:`RACE_PERIOD` windows, each way timed (windows per second: in steady
+  state what the consumer gets), and the faster way keeps them; the lane only when it was at least
   :data:`RACE_MARGIN` times faster. The other way is timed again from time to time
   (:class:`_Race`). On a quiet machine the workers win (they run beside the loop); where other
   processes want the cores, the process hops cost more than they bring and the lane wins.
@@ -83,7 +83,8 @@ STEP_S = 0.0005
 MIN_IDLE = 0.25
 #: Unpaced source: windows per period of the race between the workers and the lane.
 RACE_PERIOD = 32
-#: ... not timed: the windows after a change of way (those of the other way still in flight).
+#: ... not timed: at least this many windows after a change of way (and at least as many as
+#: may be in flight: those of the other way still are).
 RACE_SETTLE = 8
 #: ... after this many periods, the way not in use is timed again (the machine's load changes);
 #: each time it loses again, after twice as many, up to RACE_RECHECK_MAX.
@@ -99,22 +100,26 @@ _NO_INFO = object()
 class _Race:
     """An unpaced source's windows: the workers against the lane, timed in turns.
 
-    A period is :data:`RACE_PERIOD` consecutive windows sent one way (after a change of way,
-    once :data:`RACE_SETTLE` more have gone); its rate is windows per second from the first
-    window's start to the start of the window after its last (waits for a permit included: what
-    the consumer gets). Windows of an unpaced source are full, so windows
-    per second are events per second. The way that lost is timed again after
-    :data:`RACE_RECHECK` periods, twice as many after each time it loses again (up to
-    :data:`RACE_RECHECK_MAX`), so a settled race costs ever less.
+    A period is :data:`RACE_PERIOD` consecutive windows sent one way; its rate is windows per
+    second from its first window's opening to the opening of the window after its last (the
+    waits for a permit included, so in steady state the rate at which the consumer receives
+    batches). Windows of an unpaced source are full, so windows per second are events per
+    second. After a change of way, and after windows sent outside the race (a paced stretch),
+    ``settle`` windows go untimed first: the batches still in flight from before (at most
+    ``max_in_flight`` of them) would otherwise hold or free the permits the new way's first
+    windows wait for. The way that lost is timed again after :data:`RACE_RECHECK` periods,
+    twice as many each time it loses again (up to :data:`RACE_RECHECK_MAX`), so a settled
+    race costs ever less.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, settle: int = RACE_SETTLE) -> None:
         #: The way that won the last comparison (False: the workers, True: the lane).
         self.best = False
         #: The current period's windows run on the lane.
         self.here = False
         #: The last rate measured each way.
         self.rates: dict[bool, float] = {}
+        self._settle = settle
         self._recheck = RACE_RECHECK
         self._since = 0  # periods since the last comparison
         self._count = 0
@@ -122,19 +127,18 @@ class _Race:
         self._settling = 0  # windows left before the period's timing starts
 
     def restart(self) -> None:
-        """Drop the period under way (its windows were not all sent the raced way)."""
+        """Windows went outside the race: drop the period under way, and settle again."""
         self._count = 0
         self._began = None
+        self._settling = self._settle
 
     def next(self, now: float) -> bool:
         """Whether the next window runs on the lane."""
         if self._count >= RACE_PERIOD and self._began is not None:
             here = self._ended(self._count / max(now - self._began, 1e-9))
+            self._count, self._began = 0, None
             if here != self.here:
-                # The first windows after a change are not timed: they wait behind the other
-                # way's windows still in flight (and the lane's first ones warm it up).
-                self.here, self._settling = here, RACE_SETTLE
-            self.restart()
+                self.here, self._settling = here, self._settle
         if self._settling:
             self._settling -= 1
             return self.here
@@ -145,11 +149,14 @@ class _Race:
 
     def _ended(self, rate: float) -> bool:
         """Record a period's rate; the way the next period goes."""
+        compared = len(self.rates) == 2  # before this period: the first timing is no recheck
         self.rates[self.here] = rate
         if self.here != self.best:  # the other way was timed: compare
             best = self.rates[True] > self.rates[False] * RACE_MARGIN
-            lost = best == self.best
-            self._recheck = min(2 * self._recheck, RACE_RECHECK_MAX) if lost else RACE_RECHECK
+            if best != self.best:
+                self._recheck = RACE_RECHECK
+            elif compared:  # a recheck lost again
+                self._recheck = min(2 * self._recheck, RACE_RECHECK_MAX)
             self.best, self._since = best, 0
             return best
         self._since += 1
@@ -259,7 +266,7 @@ class LoopLane:
         self._collate_s: float | None = None
         #: Windows delivered from the lane (stats, tests).
         self.windows = 0
-        self._race = _Race()
+        self._race = _Race(max(RACE_SETTLE, plan.max_in_flight))
 
     def usable(self, idle: float) -> bool:
         """Whether the next window runs here: cheap as the workers measured it, and the source

@@ -90,6 +90,9 @@ LAUNCH_ATTEMPTS = 3
 #: went away.
 _LAUNCH_DEATHS = (BrokenPipeError, ConnectionResetError, ConnectionRefusedError, EOFError)
 
+#: The fork server's integers on a status pipe (``multiprocessing.forkserver.SIGNED_STRUCT``).
+_SIGNED = struct.Struct("q")
+
 
 _logger = logging.getLogger(__name__)
 
@@ -958,7 +961,15 @@ class Executor(ProcessPoolExecutor):
                 with quiet_fork_warning(), _sigint_blocked(), _forking(self):
                     p.start()
             except _LAUNCH_DEATHS as exc:
-                _release_launch(exc)
+                code = _release_launch(exc)
+                if code is not None and code >= 0:
+                    # It exited by itself while reading its start-up data: that would fail the
+                    # same way again.
+                    raise LaunchError(
+                        f"DataLoader worker process exited with code {code} while it was being "
+                        "started, before any of your code ran in it (its own error, if it "
+                        "printed one, is above); it is not started again"
+                    ) from exc
                 if attempt >= LAUNCH_ATTEMPTS:
                     raise LaunchError(
                         f"DataLoader worker process died while it was being started, "
@@ -1204,22 +1215,49 @@ def _filters_mutated() -> None:
         mutated()
 
 
-def _release_launch(exc: BaseException) -> None:
-    """Close the pipes a ``Process.start()`` that failed half-way holds, now.
+def _release_launch(exc: BaseException) -> int | None:
+    """Close the pipes a ``Process.start()`` that failed half-way holds, now; the dead process's
+    exit code (negative: the signal that killed it), or None if it cannot be told.
 
     The failed start leaves its ``Popen`` object only in the traceback's frames (the process
     never gets it), and with it its pipes to the dead process, until the garbage collector
-    breaks the frame cycle; its finalizer closes them. (Forkserver: the fork server reaps the
-    dead process. Spawn keeps its own copy of the child's read end during the hand-over, so the
-    write does not fail there: the death shows as an ordinary crash once the worker is up.)
+    breaks the frame cycle; its finalizer closes them. Before that, the fork server's status
+    pipe gives the process's pid and, once the fork server reaped it, its exit status. (Spawn
+    keeps its own copy of the child's read end during the hand-over, so the write does not fail
+    there: the death shows as an ordinary crash once the worker is up.)
     """
     tb = exc.__traceback__
     while tb is not None:
-        finalizer = getattr(tb.tb_frame.f_locals.get("self"), "finalizer", None)
+        popen = tb.tb_frame.f_locals.get("self")
+        finalizer = getattr(popen, "finalizer", None)
         if isinstance(finalizer, util.Finalize):
+            code = _launch_status(getattr(popen, "sentinel", None))
             finalizer()
-            return
+            return code
         tb = tb.tb_next
+    return None
+
+
+def _launch_status(sentinel: object, timeout: float = 2.0) -> int | None:
+    """The exit code a fork server's status pipe ``sentinel`` reports after the pid (both as
+    8-byte signed integers), waiting up to ``timeout``; None if it does not come."""
+    if not isinstance(sentinel, int):
+        return None
+    data = b""
+    deadline = time.monotonic() + timeout
+    while len(data) < 2 * _SIGNED.size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not ready_of([sentinel], remaining):
+            return None
+        try:
+            chunk = os.read(sentinel, 2 * _SIGNED.size - len(data))
+        except OSError:
+            return None
+        if not chunk:  # the fork server went away
+            return None
+        data += chunk
+    code: int = _SIGNED.unpack_from(data, _SIGNED.size)[0]
+    return code
 
 
 @contextlib.contextmanager

@@ -163,8 +163,8 @@ class Recovery:
             ep.leave_recovery()
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:
-            ep.fail(exc)
+        except BaseException as exc:  # the replacement's start too (EMFILE, launches that died)
+            ep.fail(start_failure(exc))
 
     def _warn(self, report: CrashReport) -> None:
         ep = self._epoch

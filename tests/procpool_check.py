@@ -384,6 +384,48 @@ def launch_retry(pp: ModuleType) -> str:
     return f"ok: started again after a death in the hand-over; {launches} deaths: LaunchError"
 
 
+def _refuse() -> None:
+    raise RuntimeError("this object cannot be loaded in a worker (as the check intends)")
+
+
+class _Unloadable:
+    """Pickles, but fails to unpickle: a worker's start that fails on its own."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
+def launch_failure(pp: ModuleType) -> str:
+    """A forkserver worker that exits by itself while reading its start-up data (here: an
+    argument that fails to load, ahead of more data than a pipe holds) is not started again:
+    LaunchError at once, naming its exit code."""
+    import multiprocessing.forkserver as fs
+
+    original = fs.connect_to_new_process
+    launches = 0
+
+    def counting(fds: Any) -> Any:
+        nonlocal launches
+        launches += 1
+        return original(fds)
+
+    ctx = multiprocessing.get_context("forkserver")
+    fs.connect_to_new_process = counting
+    try:
+        ex = pp.Executor(1, mp_context=ctx, initializer=nap, initargs=(_Unloadable(), b"x" * 2**20))
+        try:
+            ok, error = within(60, ex.start_workers)
+        finally:
+            pp.kill_executors([ex], ex.processes(), [], [ex._result_queue], 5)
+    finally:
+        fs.connect_to_new_process = original
+    if not ok or not isinstance(error, pp.LaunchError) or launches != 1:
+        return f"FAIL: {launches} launch(es), start_workers gave {error!r}"
+    if "exited with code 1" not in str(error):
+        return f"FAIL: {error}"
+    return "ok: not started again; LaunchError names exit code 1"
+
+
 def _children_of(pid: int | None) -> set[int]:
     """Live children of ``pid`` (from /proc: this check needs no psutil)."""
     out = set()
@@ -415,6 +457,7 @@ def main(argv: list[str]) -> int:
         "fork_warning": lambda: fork_warning(pp),
         "staggered": lambda: staggered(pp),
         "launch_retry": lambda: launch_retry(pp),
+        "launch_failure": lambda: launch_failure(pp),
     }
     failed = False
     for name in names or list(scenarios):

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 import psutil
 import pytest
 
-from aioloader import AsyncDataLoader, WorkerCrashedError
+from aioloader import AsyncDataLoader, WorkerCrashedError, _executor
 from tests import datasets
 from tests.conftest import START_METHODS, collect, worker_processes
 
@@ -225,6 +226,7 @@ class _LaunchKiller:
         self.doomed = doomed  # None: every launch
         self.launches = 0
         self.killed: list[int] = []
+        self.threads: list[str] = []  # the thread of each doomed launch
         self.original = multiprocessing.forkserver.connect_to_new_process
 
     def __call__(self, fds: Any) -> Any:
@@ -235,6 +237,7 @@ class _LaunchKiller:
         self.launches += 1
         if self.doomed is not None and self.launches not in self.doomed:
             return ends
+        self.threads.append(threading.current_thread().name)
         deadline = time.monotonic() + 10
         while True:
             new = [p for p in psutil.Process(server).children() if p.pid not in before]
@@ -258,6 +261,9 @@ async def test_a_worker_killed_while_it_is_being_started_is_started_again(
 ) -> None:
     killer = _LaunchKiller({launch})
     monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", killer)
+    # One worker in the first wave, on the start-up thread; the other in the second, started by
+    # the pool's own thread once the first is up.
+    monkeypatch.setattr(_executor, "first_wave_size", lambda: 1)
     caplog.set_level(logging.WARNING, logger="aioloader._procpool")
     ds = datasets.PidDataset(40)
     async with AsyncDataLoader(
@@ -268,8 +274,8 @@ async def test_a_worker_killed_while_it_is_being_started_is_started_again(
             batches = await collect(loader, limit=60)
         assert [int(i) for b in batches for i in b[:, 0]] == list(range(40))
         assert loader.stats().worker_restarts == 0  # nothing was lost: not a restart
-        assert not set(killer.killed) & {int(pid) for b in batches for pid in b[:, 1]}
     assert len(killer.killed) == 1 and killer.launches == 3
+    assert (killer.threads[0] == "aioloader-start-rest") == (launch == 2), killer.threads
     assert any("died while it was being started" in r.getMessage() for r in caplog.records)
 
 
@@ -291,6 +297,33 @@ async def test_workers_that_always_die_while_starting_fail_the_epoch_with_a_clea
         monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", killer.original)
         batches = await collect(loader, limit=60)
         assert [int(i) for b in batches for i in b[:, 0]] == list(range(8))
+    finally:
+        async with asyncio.timeout(30):
+            await loader.aclose()
+
+
+async def test_replacement_workers_that_always_die_while_starting_fail_the_epoch_clearly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A crash's recovery starts new workers; when every one of their launches dies, the epoch
+    fails with WorkerCrashedError, as a first start does, not with the pool's own error."""
+    killer = _LaunchKiller(None)
+    loader = AsyncDataLoader(
+        datasets.PidDataset(40), batch_size=2, num_workers=1, multiprocessing_context="forkserver"
+    )
+    try:
+        it = aiter(loader)
+        async with asyncio.timeout(60):
+            first = await anext(it)
+            monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", killer)
+            os.kill(int(first[0, 1]), signal.SIGKILL)
+            with (
+                pytest.warns(RuntimeWarning, match="restarting the workers"),
+                pytest.raises(WorkerCrashedError, match="being started, 3 times in a row"),
+            ):
+                async for _ in it:
+                    pass
+        assert killer.launches == len(killer.killed) == 3
     finally:
         async with asyncio.timeout(30):
             await loader.aclose()

@@ -229,19 +229,28 @@ async def test_an_unpaced_source_moving_between_lane_and_workers_keeps_every_eve
 
 
 class _Clock:
-    """Drives a race: each window takes the time its way takes."""
+    """Drives a race: each window takes the time its way takes. ``in_flight``: after a change
+    of way, that many windows still take the old way's time, as windows do that wait for the
+    permits the old way's batches in flight hold (workers to lane), or find them free (lane to
+    workers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settle: int = _looplane.RACE_SETTLE, in_flight: int = 0) -> None:
         self.now = 0.0
-        self.race = _looplane._Race()
+        self.race = _looplane._Race(settle)
+        self.in_flight = in_flight
 
     def windows(self, periods: int, lane_s: float, workers_s: float) -> list[bool]:
         """The way each of ``periods * RACE_PERIOD`` windows went (True: the lane)."""
-        ways = []
+        ways: list[bool] = []
+        behind = 0
         for _ in range(periods * _looplane.RACE_PERIOD):
             here = self.race.next(self.now)
+            if ways and here != ways[-1]:
+                behind = self.in_flight
+            way = (not here) if behind else here
+            behind = max(0, behind - 1)
             ways.append(here)
-            self.now += lane_s if here else workers_s
+            self.now += lane_s if way else workers_s
         return ways
 
 
@@ -253,14 +262,17 @@ def _runs(ways: list[bool]) -> list[tuple[bool, int]]:
 def test_the_race_keeps_the_workers_when_they_are_faster_and_times_the_lane_ever_less_often() -> (
     None
 ):
-    ways = _Clock().windows(300, lane_s=0.002, workers_s=0.001)
+    ways = _Clock().windows(400, lane_s=0.002, workers_s=0.001)
     runs = _runs(ways)
-    assert runs[0] == (False, _looplane.RACE_PERIOD)  # the workers first, then the lane timed
+    period, settle = _looplane.RACE_PERIOD, _looplane.RACE_SETTLE
+    assert runs[0] == (False, period)  # the workers first, then the lane timed
     lane = [n for way, n in runs if way]
     workers = [n for way, n in runs if not way][1:-1]  # between two timings of the lane
-    assert set(lane) == {_looplane.RACE_SETTLE + _looplane.RACE_PERIOD}  # one period each
-    assert workers == sorted(workers) and len(set(workers)) >= 3
-    assert workers[-1] == _looplane.RACE_SETTLE + _looplane.RACE_RECHECK_MAX * _looplane.RACE_PERIOD
+    assert set(lane) == {settle + period}  # one period each, after the settling windows
+    # Timed again after 8 periods, then 16, 32 and 64 at most.
+    checks = [_looplane.RACE_RECHECK * 2**k for k in range(4)]
+    assert checks[-1] == _looplane.RACE_RECHECK_MAX
+    assert workers[:5] == [settle + n * period for n in [*checks, checks[-1]]]
     assert sum(ways) / len(ways) < 0.05
 
 
@@ -271,27 +283,47 @@ def test_the_race_moves_to_the_lane_only_when_it_is_clearly_faster() -> None:
     assert sum(faster) / len(faster) > 0.9
 
 
+def test_the_race_does_not_time_the_windows_behind_those_still_in_flight() -> None:
+    """With many batches in flight (many workers, a deep prefetch), the first windows after a
+    change go at the old way's pace; settling for as many keeps them out of the timing."""
+    in_flight = 24
+    settled = _Clock(settle=in_flight, in_flight=in_flight)
+    ways = settled.windows(200, lane_s=0.0007, workers_s=0.001)
+    assert sum(ways) / len(ways) > 0.85
+    # Timed from the first window on, the lane's period is mostly the workers' pace: it loses.
+    unsettled = _Clock(settle=0, in_flight=in_flight)
+    ways = unsettled.windows(200, lane_s=0.0007, workers_s=0.001)
+    assert sum(ways) / len(ways) < 0.2
+
+
 def test_the_race_follows_the_machines_load_both_ways() -> None:
     clock = _Clock()
     clock.windows(20, lane_s=0.002, workers_s=0.001)  # quiet: the workers win
+    assert clock.race.best is False
     # Loaded: the workers slow down, and the lane wins once it is timed again.
     periods = _looplane.RACE_RECHECK_MAX + 10
     loaded = clock.windows(periods, lane_s=0.002, workers_s=0.004)
-    assert all(loaded[-5 * _looplane.RACE_PERIOD :])
-    # Quiet again: the workers are timed again and win back.
-    quiet = clock.windows(periods, lane_s=0.002, workers_s=0.001)
-    assert not any(quiet[-5 * _looplane.RACE_PERIOD :])
+    assert clock.race.best is True
+    assert sum(loaded[len(loaded) // 2 :]) / (len(loaded) - len(loaded) // 2) > 0.9
+    # Quiet again: the workers are timed again (at the latest after RACE_RECHECK_MAX periods,
+    # the lane having won every recheck) and win back.
+    quiet = clock.windows(2 * periods, lane_s=0.002, workers_s=0.001)
+    assert clock.race.best is False
+    assert sum(quiet[len(quiet) // 2 :]) / (len(quiet) - len(quiet) // 2) < 0.1
 
 
-def test_a_restarted_period_is_not_timed() -> None:
-    """A paced window in the middle of a period (the source kept the loader waiting) drops it:
-    that period's rate would be the source's."""
-    race = _looplane._Race()
-    for i in range(_looplane.RACE_PERIOD - 1):
+def test_windows_sent_outside_the_race_drop_its_period_and_settle_it_again() -> None:
+    """A paced stretch in the middle of a period (the source kept the loader waiting) drops the
+    period, whose rate would be the source's; the windows after it settle first."""
+    settle = 3
+    race = _looplane._Race(settle)
+    for i in range(_looplane.RACE_PERIOD - 1):  # a new race starts timing at once
         race.next(i * 0.001)
     race.restart()
+    for i in range(settle):  # untimed: a pause of 1 s among them changes nothing
+        race.next(1.0 + i * 10.0)
     for i in range(_looplane.RACE_PERIOD + 1):
-        race.next(1.0 + i * 0.001)
+        race.next(100.0 + i * 0.001)
     assert race.rates == {False: pytest.approx(1000.0)}
 
 
