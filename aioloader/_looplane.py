@@ -17,14 +17,12 @@ Where a window runs is decided by what it costs, per epoch:
   the loop does warm).
 * While the source is paced: the loop spent at least :data:`MIN_IDLE` of the last window's
   filling waiting for samples.
-* An unpaced source (the loop never waits for it) is raced between the ways of
-  :data:`RACE_WAYS`: every window in the workers, one in three on the lane, or every one on the
-  lane. Each way is timed over periods of :data:`RACE_PERIOD` windows (windows per second: in
-  steady state what the consumer gets), and the fastest keeps them; a way that puts more on the
-  lane only when it was at least :data:`RACE_MARGIN` times faster. The others are timed again
-  from time to time (:class:`_Race`). On a quiet machine one in three wins: the workers run
-  beside the loop, and the loop has time between their hand-offs for windows of its own. Where
-  other processes want the cores, the process hops cost more than they bring and the lane wins.
+* An unpaced source (the loop never waits for it) is raced: windows go to the workers and to the
+  lane in periods of :data:`RACE_PERIOD` windows, each way timed (windows per second: in steady
+  state what the consumer gets), and the faster way keeps them; the lane only when it was at least
+  :data:`RACE_MARGIN` times faster. The other way is timed again from time to time
+  (:class:`_Race`). On a quiet machine the workers win (they run beside the loop); where other
+  processes want the cores, the process hops cost more than they bring and the lane wins.
 * The lane times itself too: once its transform takes more than :data:`MAX_SAMPLE_S` per sample,
   or its collate more than :data:`MAX_COLLATE_S` (moving averages, from its third window on),
   later windows of the epoch go back to the workers (the one at hand finishes on the loop: a
@@ -83,26 +81,24 @@ MAX_COLLATE_S = 0.001
 STEP_S = 0.0005
 #: Share of a window's filling the loop must have spent waiting for the source (it is paced).
 MIN_IDLE = 0.25
-#: Unpaced source: the ways its windows may go, as the share of them on the lane.
-RACE_WAYS = (0.0, 1 / 3, 1.0)
-#: ... windows per period of the race between them.
+#: Unpaced source: windows per period of the race between the workers and the lane.
 RACE_PERIOD = 32
 #: ... not timed: at least this many windows after a change of way (and at least as many as
 #: may be in flight: those of the other way still are).
 RACE_SETTLE = 8
-#: ... after this many periods, the ways not in use are timed again (the machine's load changes);
-#: each time they lose again, after twice as many, up to RACE_RECHECK_MAX.
+#: ... after this many periods, the way not in use is timed again (the machine's load changes);
+#: each time it loses again, after twice as many, up to RACE_RECHECK_MAX.
 RACE_RECHECK = 8
 RACE_RECHECK_MAX = 64
-#: ... and a way that puts more on the lane wins only when it measured this much faster than
-#: one that puts less: a tie leaves the loop free.
+#: ... and the lane takes the windows only when it measured this much faster than the workers:
+#: a tie leaves the loop free.
 RACE_MARGIN = 1.1
 
 _NO_INFO = object()
 
 
 class _Race:
-    """An unpaced source's windows: the ways of :data:`RACE_WAYS`, timed in turns.
+    """An unpaced source's windows: the workers against the lane, timed in turns.
 
     A period is :data:`RACE_PERIOD` consecutive windows sent one way; its rate is windows per
     second from its first window's opening to the opening of the window after its last (the
@@ -111,29 +107,24 @@ class _Race:
     second. After a change of way, and after windows sent outside the race (a paced stretch),
     ``settle`` windows go untimed first: the batches still in flight from before (at most
     ``max_in_flight`` of them) would otherwise hold or free the permits the new way's first
-    windows wait for.
-
-    The best way is kept; after :data:`RACE_RECHECK` periods the others are timed again, one
-    period each, and the best of all is kept. Each time that changes nothing, the next recheck
-    comes twice as late (up to :data:`RACE_RECHECK_MAX` periods), so a settled race costs ever
-    less.
+    windows wait for. The way that lost is timed again after :data:`RACE_RECHECK` periods,
+    twice as many each time it loses again (up to :data:`RACE_RECHECK_MAX`), so a settled
+    race costs ever less.
     """
 
     def __init__(self, settle: int = RACE_SETTLE) -> None:
-        #: The way that won the last comparison (an index into RACE_WAYS).
-        self.best = 0
-        #: The way of the current period.
-        self.way = 0
+        #: The way that won the last comparison (False: the workers, True: the lane).
+        self.best = False
+        #: The current period's windows run on the lane.
+        self.here = False
         #: The last rate measured each way.
-        self.rates: dict[int, float] = {}
+        self.rates: dict[bool, float] = {}
         self._settle = settle
         self._recheck = RACE_RECHECK
         self._since = 0  # periods since the last comparison
-        self._tour: list[int] = []  # ways still to be timed before the next comparison
         self._count = 0
         self._began: float | None = None
         self._settling = 0  # windows left before the period's timing starts
-        self._credit = 0.0  # spreads a way's share of lane windows evenly
 
     def restart(self) -> None:
         """Windows went outside the race: drop the period under way, and settle again."""
@@ -144,49 +135,34 @@ class _Race:
     def next(self, now: float) -> bool:
         """Whether the next window runs on the lane."""
         if self._count >= RACE_PERIOD and self._began is not None:
-            way = self._ended(self._count / max(now - self._began, 1e-9))
+            here = self._ended(self._count / max(now - self._began, 1e-9))
             self._count, self._began = 0, None
-            if way != self.way:
-                self.way, self._settling = way, self._settle
+            if here != self.here:
+                self.here, self._settling = here, self._settle
         if self._settling:
             self._settling -= 1
-        else:
-            if self._began is None:
-                self._began = now
-            self._count += 1
-        self._credit += RACE_WAYS[self.way]
-        if self._credit >= 1.0 - 1e-9:
-            self._credit -= 1.0
-            return True
-        return False
+            return self.here
+        if self._began is None:
+            self._began = now
+        self._count += 1
+        return self.here
 
-    def _ended(self, rate: float) -> int:
+    def _ended(self, rate: float) -> bool:
         """Record a period's rate; the way the next period goes."""
-        compared = len(self.rates) == len(RACE_WAYS)  # before: the first tour is no recheck
-        self.rates[self.way] = rate
-        if self.way != self.best:  # on a tour of the others
-            if self._tour:
-                return self._tour.pop(0)
-            best = self._choose()
+        compared = len(self.rates) == 2  # before this period: the first timing is no recheck
+        self.rates[self.here] = rate
+        if self.here != self.best:  # the other way was timed: compare
+            best = self.rates[True] > self.rates[False] * RACE_MARGIN
             if best != self.best:
                 self._recheck = RACE_RECHECK
-            elif compared:  # a recheck changed nothing
+            elif compared:  # a recheck lost again
                 self._recheck = min(2 * self._recheck, RACE_RECHECK_MAX)
             self.best, self._since = best, 0
             return best
         self._since += 1
-        if len(self.rates) < len(RACE_WAYS) or self._since >= self._recheck:
-            self._tour = [w for w in range(len(RACE_WAYS)) if w != self.best]
-            return self._tour.pop(0)
+        if (not self.best) not in self.rates or self._since >= self._recheck:
+            return not self.best
         return self.best
-
-    def _choose(self) -> int:
-        """The fastest way; one that puts more on the lane only if :data:`RACE_MARGIN` faster."""
-        best = min(self.rates)
-        for way in sorted(self.rates):
-            if self.rates[way] > self.rates[best] * RACE_MARGIN:
-                best = way
-        return best
 
 
 class LaneSide(Protocol):
