@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import io
 import itertools
 import logging
@@ -87,8 +88,13 @@ LAUNCH_ATTEMPTS = 3
 
 #: What ``Process.start()`` raises when the new process died during the hand-over: the write of
 #: its start-up data into its pipe finds no reader (forkserver), or the fork server that forks it
-#: went away.
+#: went away (a refused or dropped connection; EBADF, below).
 _LAUNCH_DEATHS = (BrokenPipeError, ConnectionResetError, ConnectionRefusedError, EOFError)
+
+#: Seconds to wait before the next launch after the fork server itself failed it, times the
+#: attempt: a fork server that is exiting still counts as alive to
+#: ``multiprocessing.forkserver.ensure_running`` until it has exited, which restarts it then.
+_SERVER_BACKOFF_S = 0.1
 
 #: The fork server's integers on a status pipe (``multiprocessing.forkserver.SIGNED_STRUCT``).
 _SIGNED = struct.Struct("q")
@@ -960,7 +966,13 @@ class Executor(ProcessPoolExecutor):
             try:
                 with quiet_fork_warning(), _sigint_blocked(), _forking(self):
                     p.start()
-            except _LAUNCH_DEATHS as exc:
+            except (*_LAUNCH_DEATHS, OSError) as exc:
+                # EBADF: the fork server died and another thread's start replaced it while this
+                # one was sending it the old one's "alive" descriptor (CPython reads that
+                # descriptor outside the lock its replacement takes). Any other OSError is not
+                # a death in the hand-over.
+                if not isinstance(exc, _LAUNCH_DEATHS) and exc.errno != errno.EBADF:
+                    raise
                 code = _release_launch(exc)
                 if code is not None and code >= 0:
                     # It exited by itself while reading its start-up data: that would fail the
@@ -976,6 +988,8 @@ class Executor(ProcessPoolExecutor):
                         f"{attempt} times in a row ({exc!r}): something kills new processes "
                         "(an out-of-memory killer, a process limit, a supervisor)"
                     ) from exc
+                if not isinstance(exc, BrokenPipeError):  # the fork server's own failure
+                    time.sleep(_SERVER_BACKOFF_S * attempt)
                 # Logged, not warned: under -W error a warning here would fail the start.
                 _logger.warning(
                     "a DataLoader worker process died while it was being started (%r); "

@@ -327,3 +327,56 @@ async def test_replacement_workers_that_always_die_while_starting_fail_the_epoch
     finally:
         async with asyncio.timeout(30):
             await loader.aclose()
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [ConnectionRefusedError(111, "Connection refused"), OSError(9, "Bad file descriptor")],
+    ids=["refused", "ebadf"],
+)
+async def test_a_launch_the_fork_server_itself_fails_is_tried_again(
+    failure: OSError, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fork server that is exiting refuses the connection (and a start on another thread that
+    replaces it meanwhile can leave this one sending a closed descriptor): the launch is tried
+    again after a pause, and the epoch is whole."""
+    original = multiprocessing.forkserver.connect_to_new_process
+    calls = 0
+
+    def failing_once(fds: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise failure
+        return original(fds)
+
+    monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", failing_once)
+    caplog.set_level(logging.WARNING, logger="aioloader._procpool")
+    async with AsyncDataLoader(
+        datasets.PidDataset(12), batch_size=4, num_workers=1, multiprocessing_context="forkserver"
+    ) as loader:
+        batches = await collect(loader, limit=60)
+    assert [int(i) for b in batches for i in b[:, 0]] == list(range(12))
+    assert calls == 2
+    assert any(type(failure).__name__ in r.getMessage() for r in caplog.records)
+
+
+async def test_any_other_launch_error_is_not_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+
+    def failing(fds: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        raise OSError(13, "Permission denied")
+
+    monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", failing)
+    loader = AsyncDataLoader(
+        datasets.PidDataset(4), batch_size=4, num_workers=1, multiprocessing_context="forkserver"
+    )
+    try:
+        with pytest.raises(PermissionError):
+            await collect(loader, limit=60)
+        assert calls == 1
+    finally:
+        async with asyncio.timeout(30):
+            await loader.aclose()
