@@ -88,16 +88,13 @@ LAUNCH_ATTEMPTS = 3
 
 #: What ``Process.start()`` raises when the new process died during the hand-over: the write of
 #: its start-up data into its pipe finds no reader (forkserver), or the fork server that forks it
-#: went away (a refused or dropped connection; EBADF, below).
+#: went away (a refused or dropped connection; EBADF, see :func:`_died_in_hand_over`).
 _LAUNCH_DEATHS = (BrokenPipeError, ConnectionResetError, ConnectionRefusedError, EOFError)
 
 #: Seconds to wait before the next launch after the fork server itself failed it, times the
 #: attempt: a fork server that is exiting still counts as alive to
 #: ``multiprocessing.forkserver.ensure_running`` until it has exited, which restarts it then.
 _SERVER_BACKOFF_S = 0.1
-
-#: The fork server's integers on a status pipe (``multiprocessing.forkserver.SIGNED_STRUCT``).
-_SIGNED = struct.Struct("q")
 
 
 _logger = logging.getLogger(__name__)
@@ -966,12 +963,8 @@ class Executor(ProcessPoolExecutor):
             try:
                 with quiet_fork_warning(), _sigint_blocked(), _forking(self):
                     p.start()
-            except (*_LAUNCH_DEATHS, OSError) as exc:
-                # EBADF: the fork server died and another thread's start replaced it while this
-                # one was sending it the old one's "alive" descriptor (CPython reads that
-                # descriptor outside the lock its replacement takes). Any other OSError is not
-                # a death in the hand-over.
-                if not isinstance(exc, _LAUNCH_DEATHS) and exc.errno != errno.EBADF:
+            except (OSError, EOFError) as exc:
+                if not _died_in_hand_over(exc):
                     raise
                 code = _release_launch(exc)
                 if code is not None and code >= 0:
@@ -1229,6 +1222,18 @@ def _filters_mutated() -> None:
         mutated()
 
 
+def _died_in_hand_over(exc: BaseException) -> bool:
+    """Whether a failed ``Process.start()`` failed in the hand-over (:data:`_LAUNCH_DEATHS`).
+
+    EBADF too: the fork server died and another thread's start replaced it while this one was
+    sending it the old one's "alive" descriptor (CPython reads that descriptor outside the lock
+    its replacement takes). Any other OSError is the start's own.
+    """
+    return isinstance(exc, _LAUNCH_DEATHS) or (
+        isinstance(exc, OSError) and exc.errno == errno.EBADF
+    )
+
+
 def _release_launch(exc: BaseException) -> int | None:
     """Close the pipes a ``Process.start()`` that failed half-way holds, now; the dead process's
     exit code (negative: the signal that killed it), or None if it cannot be told.
@@ -1253,24 +1258,27 @@ def _release_launch(exc: BaseException) -> int | None:
 
 
 def _launch_status(sentinel: object, timeout: float = 2.0) -> int | None:
-    """The exit code a fork server's status pipe ``sentinel`` reports after the pid (both as
-    8-byte signed integers), waiting up to ``timeout``; None if it does not come."""
+    """The exit code a fork server's status pipe ``sentinel`` reports after the pid, waiting up
+    to ``timeout`` (``forkserver.read_signed`` would wait for ever); None if it does not come."""
     if not isinstance(sentinel, int):
         return None
+    # Here, not at import: only a forkserver launch gets here (the module is POSIX-only).
+    from multiprocessing.forkserver import SIGNED_STRUCT as signed
+
     data = b""
     deadline = time.monotonic() + timeout
-    while len(data) < 2 * _SIGNED.size:
+    while len(data) < 2 * signed.size:
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not ready_of([sentinel], remaining):
             return None
         try:
-            chunk = os.read(sentinel, 2 * _SIGNED.size - len(data))
+            chunk = os.read(sentinel, 2 * signed.size - len(data))
         except OSError:
             return None
         if not chunk:  # the fork server went away
             return None
         data += chunk
-    code: int = _SIGNED.unpack_from(data, _SIGNED.size)[0]
+    code: int = signed.unpack_from(data, signed.size)[0]
     return code
 
 
