@@ -1021,6 +1021,11 @@ class _Host:
     def check_loop(self, loop: asyncio.AbstractEventLoop, what: str) -> None:
         self._loader()._check_loop(loop, what)
 
+    def favor_loop(self, on: bool) -> None:
+        loader = self._ref()
+        if loader is not None and loader._priority is not None:
+            loader._priority.favor_loop(on)
+
 
 def _waited(ref: weakref.ref[AsyncDataLoader[Any]]) -> Callable[[], float]:
     """Seconds the consumer of the loader behind ``ref`` has waited for data (weakly)."""

@@ -17,11 +17,16 @@ Where a window runs is decided by what it costs, per epoch:
   the loop does warm).
 * While the source is paced: the loop spent at least :data:`MIN_IDLE` of the last window's
   filling waiting for samples.
-* An unpaced source (the loop never waits for it) is raced: windows go to the workers and to the
-  lane in periods of :data:`RACE_PERIOD` windows, each way timed (windows per second: in steady
-  state what the consumer gets), and the faster way keeps them; the lane only when it was at least
-  :data:`RACE_MARGIN` times faster. The other way is timed again from time to time
-  (:class:`_Race`). On a quiet machine the workers win (they run beside the loop); where other
+* An unpaced source (the loop never waits for it) is raced between the ways of
+  :data:`RACE_WAYS`: every window in the workers, one in three on the lane, or every one on the
+  lane. Each way is timed over periods of :data:`RACE_PERIOD` windows (windows per second: in
+  steady state what the consumer gets), and the fastest keeps them; a way that puts more on the
+  lane only when it was at least :data:`RACE_MARGIN` times faster. The others are timed again
+  from time to time (:class:`_Race`), and all of them as soon as the workers' priority changes.
+  On a quiet machine one in three wins: the workers run beside the loop, and the loop has time
+  between their hand-offs for windows of its own. While a way puts windows on the loop, the
+  lane asks the priority policy for the loop's CPU (``_priority``: on a machine no other task
+  wants, the workers are lowered, so a worker never shares the loop's core). Where other
   processes want the cores, the process hops cost more than they bring and the lane wins.
 * The lane times itself too: once its transform takes more than :data:`MAX_SAMPLE_S` per sample,
   or its collate more than :data:`MAX_COLLATE_S` (moving averages, from its third window on),
@@ -58,9 +63,9 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
-from . import _npstate, _threadworkers, _worker
+from . import _npstate, _priority, _threadworkers, _worker
 from ._backend import Direct
-from ._records import Plan
+from ._records import Host, Plan
 from ._worker import Samples
 
 __all__ = (
@@ -81,24 +86,26 @@ MAX_COLLATE_S = 0.001
 STEP_S = 0.0005
 #: Share of a window's filling the loop must have spent waiting for the source (it is paced).
 MIN_IDLE = 0.25
-#: Unpaced source: windows per period of the race between the workers and the lane.
+#: Unpaced source: the ways its windows may go, as the share of them on the lane.
+RACE_WAYS = (0.0, 1 / 3, 1.0)
+#: ... windows per period of the race between them.
 RACE_PERIOD = 32
 #: ... not timed: at least this many windows after a change of way (and at least as many as
 #: may be in flight: those of the other way still are).
 RACE_SETTLE = 8
-#: ... after this many periods, the way not in use is timed again (the machine's load changes);
-#: each time it loses again, after twice as many, up to RACE_RECHECK_MAX.
+#: ... after this many periods, the ways not in use are timed again (the machine's load changes);
+#: each time they lose again, after twice as many, up to RACE_RECHECK_MAX.
 RACE_RECHECK = 8
 RACE_RECHECK_MAX = 64
-#: ... and the lane takes the windows only when it measured this much faster than the workers:
-#: a tie leaves the loop free.
+#: ... and a way that puts more on the lane wins only when it measured this much faster than
+#: one that puts less: a tie leaves the loop free.
 RACE_MARGIN = 1.1
 
 _NO_INFO = object()
 
 
 class _Race:
-    """An unpaced source's windows: the workers against the lane, timed in turns.
+    """An unpaced source's windows: the ways of :data:`RACE_WAYS`, timed in turns.
 
     A period is :data:`RACE_PERIOD` consecutive windows sent one way; its rate is windows per
     second from its first window's opening to the opening of the window after its last (the
@@ -107,24 +114,38 @@ class _Race:
     second. After a change of way, and after windows sent outside the race (a paced stretch),
     ``settle`` windows go untimed first: the batches still in flight from before (at most
     ``max_in_flight`` of them) would otherwise hold or free the permits the new way's first
-    windows wait for. The way that lost is timed again after :data:`RACE_RECHECK` periods,
-    twice as many each time it loses again (up to :data:`RACE_RECHECK_MAX`), so a settled
-    race costs ever less.
+    windows wait for.
+
+    The best way is kept; after :data:`RACE_RECHECK` periods the others are timed again, one
+    period each, and the best of all is kept. Each time that changes nothing, the next recheck
+    comes twice as late (up to :data:`RACE_RECHECK_MAX` periods), so a settled race costs ever
+    less.
     """
 
     def __init__(self, settle: int = RACE_SETTLE) -> None:
-        #: The way that won the last comparison (False: the workers, True: the lane).
-        self.best = False
-        #: The current period's windows run on the lane.
-        self.here = False
+        #: The way that won the last comparison (an index into RACE_WAYS).
+        self.best = 0
+        #: The way of the current period.
+        self.way = 0
         #: The last rate measured each way.
-        self.rates: dict[bool, float] = {}
+        self.rates: dict[int, float] = {}
         self._settle = settle
         self._recheck = RACE_RECHECK
         self._since = 0  # periods since the last comparison
+        self._tour: list[int] = []  # ways still to be timed before the next comparison
         self._count = 0
         self._began: float | None = None
         self._settling = 0  # windows left before the period's timing starts
+        self._credit = 0.0  # spreads a way's share of lane windows evenly
+
+    def rerace(self) -> None:
+        """The machine changed under the race (the workers' priority): every way is timed
+        again, and rechecks start from :data:`RACE_RECHECK` again."""
+        self.rates.clear()
+        self._tour = []
+        self._since = 0
+        self._recheck = RACE_RECHECK
+        self.restart()
 
     def restart(self) -> None:
         """Windows went outside the race: drop the period under way, and settle again."""
@@ -135,34 +156,49 @@ class _Race:
     def next(self, now: float) -> bool:
         """Whether the next window runs on the lane."""
         if self._count >= RACE_PERIOD and self._began is not None:
-            here = self._ended(self._count / max(now - self._began, 1e-9))
+            way = self._ended(self._count / max(now - self._began, 1e-9))
             self._count, self._began = 0, None
-            if here != self.here:
-                self.here, self._settling = here, self._settle
+            if way != self.way:
+                self.way, self._settling = way, self._settle
         if self._settling:
             self._settling -= 1
-            return self.here
-        if self._began is None:
-            self._began = now
-        self._count += 1
-        return self.here
+        else:
+            if self._began is None:
+                self._began = now
+            self._count += 1
+        self._credit += RACE_WAYS[self.way]
+        if self._credit >= 1.0 - 1e-9:
+            self._credit -= 1.0
+            return True
+        return False
 
-    def _ended(self, rate: float) -> bool:
+    def _ended(self, rate: float) -> int:
         """Record a period's rate; the way the next period goes."""
-        compared = len(self.rates) == 2  # before this period: the first timing is no recheck
-        self.rates[self.here] = rate
-        if self.here != self.best:  # the other way was timed: compare
-            best = self.rates[True] > self.rates[False] * RACE_MARGIN
+        compared = len(self.rates) == len(RACE_WAYS)  # before: the first tour is no recheck
+        self.rates[self.way] = rate
+        if self.way != self.best:  # on a tour of the others
+            if self._tour:
+                return self._tour.pop(0)
+            best = self._choose()
             if best != self.best:
                 self._recheck = RACE_RECHECK
-            elif compared:  # a recheck lost again
+            elif compared:  # a recheck changed nothing
                 self._recheck = min(2 * self._recheck, RACE_RECHECK_MAX)
             self.best, self._since = best, 0
             return best
         self._since += 1
-        if (not self.best) not in self.rates or self._since >= self._recheck:
-            return not self.best
+        if len(self.rates) < len(RACE_WAYS) or self._since >= self._recheck:
+            self._tour = [w for w in range(len(RACE_WAYS)) if w != self.best]
+            return self._tour.pop(0)
         return self.best
+
+    def _choose(self) -> int:
+        """The fastest way; one that puts more on the lane only if :data:`RACE_MARGIN` faster."""
+        best = min(self.rates)
+        for way in sorted(self.rates):
+            if self.rates[way] > self.rates[best] * RACE_MARGIN:
+                best = way
+        return best
 
 
 class LaneSide(Protocol):
@@ -173,6 +209,9 @@ class LaneSide(Protocol):
     base_seed: int
     #: Worker-measured (seconds, samples) of a stream window, averaged (None until one came).
     window_cost: tuple[float, float] | None
+
+    @property
+    def host(self) -> Host: ...
 
 
 def average(last: float | None, value: float) -> float:
@@ -267,6 +306,8 @@ class LoopLane:
         #: Windows delivered from the lane (stats, tests).
         self.windows = 0
         self._race = _Race(max(RACE_SETTLE, plan.max_in_flight))
+        self._priority_changes = _priority.changes
+        self._favoring = False
 
     def usable(self, idle: float) -> bool:
         """Whether the next window runs here: cheap as the workers measured it, and the source
@@ -275,11 +316,30 @@ class LoopLane:
         cost = self._epoch.window_cost
         if self._closed or cost is None or cost[0] > MAX_COLLATE_S + MAX_SAMPLE_S * cost[1]:
             self._race.restart()
+            self._favor(False)
             return False
         if idle >= MIN_IDLE:
             self._race.restart()  # the source's pace, not the pipeline's, sets the rate now
+            self._favor(False)
             return True
-        return self._race.next(time.perf_counter())
+        if self._priority_changes != _priority.changes:
+            # The workers' priority changed (not by this lane): the rates timed before are stale.
+            self._priority_changes = _priority.changes
+            self._race.rerace()
+        here = self._race.next(time.perf_counter())
+        # A way that puts windows on the loop makes the loop's CPU the pipeline's bottleneck.
+        self._favor(RACE_WAYS[self._race.way] > 0)
+        return here
+
+    def _favor(self, on: bool) -> None:
+        if on != self._favoring:
+            self._favoring = on
+            self._epoch.host.favor_loop(on)
+
+    def close(self) -> None:
+        """The epoch's windows are done: the loop's CPU is no longer asked for."""
+        with contextlib.suppress(RuntimeError):  # the loader is gone: so is its monitor
+            self._favor(False)
 
     def _per_step(self) -> int:
         """Samples per step, from the lane's own measure, else the most a sample may take."""

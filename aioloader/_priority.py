@@ -29,6 +29,12 @@ and decides:
   the idle workers waited for a CPU more than :data:`QUEUED` of it (their run-queue wait, from
   ``/proc/<pid>/schedstat``) moves them to nice :data:`LOW_NICE` for the rest of the policy's
   life. A consumer that waits on a slow dataset alone does not: its workers get the cores.
+* **The loop lane's request** (:meth:`NicePolicy.favor`). While an unpaced stream's windows are
+  partly transformed on the loop itself (``_looplane``), the loop's CPU time is what the consumer
+  waits on, and a worker that shares the loop's core slows the whole pipeline. While the lane
+  asks, on a machine known not to be shared (the last window, or the current one's first
+  samples), the workers run lowered; beside other tasks they keep their level. The lateness
+  policy's own level (what later pools start at) is not changed by it.
 * **What it may do.** Lowering a priority is always allowed; raising it back needs
   ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` of 20 or more. Without either, workers go down only
   (after two such windows in a row, not one) and stay there until they are replaced; new workers
@@ -123,6 +129,34 @@ class NicePolicy:
         self._stalled = 0.0
         self._queued = 0.0
         self._strikes = 0  # over windows in a row at level 0 with the machine not shared
+        #: The loop lane asks for the loop's CPU (see :meth:`favor`).
+        self.favored = False
+        self._shared_last: bool | None = None  # the last full window's verdict (None: none yet)
+
+    @property
+    def effective(self) -> int:
+        """The workers' niceness to apply: :attr:`level`, or lowered while :attr:`favored` and
+        the machine is known not to be shared (where the lowering can be undone)."""
+        if self.favored and self.can_raise and self.level < self.low and self._quiet():
+            return self.low
+        return self.level
+
+    def _quiet(self) -> bool:
+        """No other task competes: the last window said so, or this one's first samples do."""
+        if self._shared_last is not None:
+            return not self._shared_last
+        return self._others_n >= _EARLY_SAMPLES and self._others / self._others_n < self.shared
+
+    def favor(self, on: bool) -> int | None:
+        """The loop lane runs an unpaced stream's windows beside the workers (on), or no longer
+        (off). While it does, the loop's CPU time is what the consumer waits on, and a worker
+        that shares the loop's core slows the whole pipeline: on a machine no other task wants,
+        the workers are lowered; beside other tasks they keep their share. Returns the new
+        effective level when it changes."""
+        before = self.effective
+        self.favored = on
+        after = self.effective
+        return after if after != before else None
 
     def observe(
         self,
@@ -135,6 +169,16 @@ class NicePolicy:
         and the shares of the sample's time the consumer waited for data and the workers waited
         for a CPU. Returns the new level when this sample completes a window that changes it
         (a window ends after ``window`` samples, or earlier to lower the workers, see below)."""
+        before = self.effective
+        self._observe(lateness_s, others, stalled, queued)
+        after = self.effective
+        # (A favored lowering may take effect here too: once the machine is known quiet.)
+        return after if after != before else None
+
+    def _observe(
+        self, lateness_s: float, others: float | None, stalled: float, queued: float
+    ) -> int | None:
+        """:meth:`observe` for :attr:`level`: returns it when this sample changed it."""
         self._n += 1
         if lateness_s > self.bound_s:
             self._late += 1
@@ -164,12 +208,13 @@ class NicePolicy:
         starved = self._stalled / self._n > STARVED and self._queued / self._n > QUEUED
         self._n = self._late = self._others_n = 0
         self._others = self._stalled = self._queued = 0.0
-        if self.level == IDLE and starved:
+        self._shared_last = shared
+        if self.effective == IDLE and starved:
             # Something of this process keeps the cores busy and the idle workers get none of
             # them: they go back to a niceness, and idle is not tried again.
             self.low = min(self.low, LOW_NICE)
-            self.level = LOW_NICE
-            return self.level
+            self.level = min(self.level, LOW_NICE) if self.level == IDLE else self.level
+            return self.effective
         return self._decide(over, shared)
 
     def _decide(self, over: bool, shared: bool) -> int | None:
@@ -232,6 +277,10 @@ def may_raise_priority() -> bool:
 #: (a loader per round of a benchmark, a loader per request) instead of learning it again.
 _last_level = 0
 
+#: How many times a monitor of this process changed its workers' level: what was timed before a
+#: change (the loop lane's race between ways) no longer holds after it.
+changes = 0
+
 
 def start_level() -> int:
     """The niceness new workers start at under the adaptive policy."""
@@ -270,6 +319,7 @@ class PriorityMonitor:
         self._thread_fds: dict[int, int] = {}  # this process's other threads, likewise
         self._loop_tid = 0
         self._wait_ns = 0
+        self._favors = 0  # lanes that asked for the loop's CPU (overlapping epochs: several)
 
     @property
     def running(self) -> bool:
@@ -337,6 +387,7 @@ class PriorityMonitor:
         self._thread_fds.clear()
 
     def _tick(self) -> None:
+        global _last_level, changes
         loop = self._loop
         assert loop is not None
         if not self._active():
@@ -355,15 +406,16 @@ class PriorityMonitor:
             waited = self._waited()
             stalled = min(1.0, max(0.0, (waited - self._waited_s) / max(elapsed, PERIOD_S)))
             self._waited_s = waited
-        if self.policy.level == IDLE:
+        if self.policy.effective == IDLE:
             queued = self._queued(max(elapsed, PERIOD_S))
         else:
             self._queued_ns.clear()  # from the first idle sample again, if they go idle later
+        level = self.policy.level
         changed = self.policy.observe(lateness, self._others(), stalled, queued)
+        if self.policy.level != level and self.policy.can_raise:
+            _last_level = self.policy.level
         if changed is not None:
-            global _last_level
-            if self.policy.can_raise:
-                _last_level = changed
+            changes += 1
             self._apply()
         elif self.policy._n == 0:  # a window ended: workers started since get the level too
             self._apply()
@@ -371,6 +423,13 @@ class PriorityMonitor:
             self._find_threads()
         self._due = now + PERIOD_S
         self._handle = loop.call_at(self._due, self._tick)
+
+    def favor_loop(self, on: bool) -> None:
+        """The loop lane runs an unpaced stream's windows beside the workers, or no longer:
+        :meth:`NicePolicy.favor`, applied at once."""
+        self._favors += 1 if on else -1
+        if self.policy.favor(self._favors > 0) is not None:
+            self._apply()
 
     def _queued(self, elapsed: float) -> float:
         """The idle workers' mean share of the last ``elapsed`` seconds spent waiting for a CPU
@@ -449,7 +508,7 @@ class PriorityMonitor:
                 pids += source()
         # Relative to this process's own niceness, as worker_nice=N is.
         base = os.getpriority(os.PRIO_PROCESS, 0)
-        level = self.policy.level
+        level = self.policy.effective
         for gone in set(self._applied) - set(pids):
             del self._applied[gone]
             self._queued_ns.pop(gone, None)

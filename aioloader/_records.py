@@ -257,3 +257,8 @@ class Host(Protocol):
     def check_loop(self, loop: asyncio.AbstractEventLoop, what: str) -> None:
         """Refuse ``loop`` while another epoch of the loader runs on another live loop."""
         ...
+
+    def favor_loop(self, on: bool) -> None:
+        """The epoch's loop lane runs windows of an unpaced stream beside the workers (on), or
+        no longer (off); calls come in pairs. The workers' priority may follow (``_priority``)."""
+        ...

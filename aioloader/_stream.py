@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, Protocol
 from torch.utils.data import IterableDataset
 
 from ._looplane import LoopLane
-from ._records import Failure, Flight, StreamInput
+from ._records import Failure, Flight, Host, StreamInput
 from ._remote import FetchPolicy, SampleFetcher
 from ._resume import batch_seed
 from ._sampling import IndexStream
@@ -70,6 +70,9 @@ class StreamSide(SubmitSide, Protocol):
     acks: Acks | None
     window_ahead: tuple[int, Any] | None
     window_cost: tuple[float, float] | None
+
+    @property
+    def host(self) -> Host: ...
 
     def prefeed(self, send_idx: int, worker_id: int | None, samples: Any) -> bool: ...
 
@@ -482,6 +485,7 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                 break
         epoch.reorder.close(send_idx)
     finally:
+        lane.close()
         epoch.window_ahead = None
         await reading.stop(reader)
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 from torch.utils.data import get_worker_info
 
-from aioloader import AsyncDataLoader, _looplane
+from aioloader import AsyncDataLoader, _looplane, _priority
+from aioloader._loader import _Host
 from tests import stream_sources as ss
 from tests.conftest import collect
 
@@ -212,7 +213,7 @@ async def test_an_unpaced_source_moving_between_lane_and_workers_keeps_every_eve
     """Windows change ways every period (as a race that keeps changing its mind would): the
     batches still arrive in order, each event once, some from the loop and some from workers."""
     monkeypatch.setattr(_looplane, "RACE_PERIOD", 3)
-    monkeypatch.setattr(_looplane._Race, "_ended", lambda race, rate: not race.here)
+    monkeypatch.setattr(_looplane._Race, "_ended", lambda race, rate: 2 - race.way)
     n = 240
     async with AsyncDataLoader(
         ss.Counting(n), batch_size=BATCH, num_workers=2, transform=where, transform_in="auto"
@@ -228,88 +229,157 @@ async def test_an_unpaced_source_moving_between_lane_and_workers_keeps_every_eve
     assert switches >= 4
 
 
+@pytest.mark.usefixtures("lane_open")
+async def test_the_lane_asks_for_the_loops_cpu_while_a_way_puts_windows_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host hears favor_loop(True) when the race moves to a way that puts windows on the
+    loop and favor_loop(False) when it moves back, in pairs, the last one at the epoch's end;
+    a change of the workers' priority meanwhile has every way timed again."""
+    monkeypatch.setattr(_priority, "changes", _priority.changes)
+    calls: list[bool] = []
+    monkeypatch.setattr(_Host, "favor_loop", lambda host, on: calls.append(on))
+    reraces: list[int] = []
+    monkeypatch.setattr(_looplane._Race, "rerace", lambda race: reraces.append(race.way))
+    monkeypatch.setattr(_looplane, "RACE_PERIOD", 3)
+
+    def ended(race: Any, rate: float) -> int:
+        _priority.changes += 1  # the policy renices the workers once a period
+        return (race.way + 1) % 3
+
+    monkeypatch.setattr(_looplane._Race, "_ended", ended)
+    n = 600
+    async with AsyncDataLoader(
+        ss.Counting(n), batch_size=BATCH, num_workers=2, transform=where, transform_in="auto"
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    assert [int(v) for b in got for v in b["x"].flatten()] == list(range(n))
+    assert calls[0] is True and calls[-1] is False and len(calls) >= 4
+    assert all(a != b for a, b in itertools.pairwise(calls))  # on, off, on, off...
+    assert len(reraces) >= 3
+
+
+WORKERS, MIXED, LANE = range(3)
+
+
 class _Clock:
-    """Drives a race: each window takes the time its way takes. ``in_flight``: after a change
-    of way, that many windows still take the old way's time, as windows do that wait for the
-    permits the old way's batches in flight hold (workers to lane), or find them free (lane to
-    workers)."""
+    """Drives a race: each window takes the time its period's way takes (``costs``, by way).
+    ``in_flight``: after a change of way, that many windows still take the old way's time, as
+    windows do that wait for the permits the old way's batches in flight hold, or find them
+    free."""
 
     def __init__(self, settle: int = _looplane.RACE_SETTLE, in_flight: int = 0) -> None:
         self.now = 0.0
         self.race = _looplane._Race(settle)
         self.in_flight = in_flight
 
-    def windows(self, periods: int, lane_s: float, workers_s: float) -> list[bool]:
-        """The way each of ``periods * RACE_PERIOD`` windows went (True: the lane)."""
-        ways: list[bool] = []
-        behind = 0
+    def windows(self, periods: int, costs: tuple[float, float, float]) -> list[int]:
+        """The way of each of ``periods * RACE_PERIOD`` windows."""
+        ways: list[int] = []
+        behind, old = 0, WORKERS
         for _ in range(periods * _looplane.RACE_PERIOD):
-            here = self.race.next(self.now)
-            if ways and here != ways[-1]:
-                behind = self.in_flight
-            way = (not here) if behind else here
+            self.race.next(self.now)
+            way = self.race.way
+            if ways and way != ways[-1]:
+                behind, old = self.in_flight, ways[-1]
+            self.now += costs[old if behind else way]
             behind = max(0, behind - 1)
-            ways.append(here)
-            self.now += lane_s if way else workers_s
+            ways.append(way)
         return ways
 
 
-def _runs(ways: list[bool]) -> list[tuple[bool, int]]:
+def _runs(ways: list[int]) -> list[tuple[int, int]]:
     """(way, consecutive windows) in order."""
     return [(way, len(list(group))) for way, group in itertools.groupby(ways)]
 
 
-def test_the_race_keeps_the_workers_when_they_are_faster_and_times_the_lane_ever_less_often() -> (
+def _share(ways: list[int], way: int) -> float:
+    """The share of the last half of ``ways`` that went ``way``."""
+    half = ways[len(ways) // 2 :]
+    return half.count(way) / len(half)
+
+
+def test_each_way_sends_its_share_of_windows_to_the_lane() -> None:
+    assert _looplane.RACE_WAYS == (0.0, 1 / 3, 1.0)
+    race = _looplane._Race(settle=0)
+    race.way = MIXED
+    race.rates = {WORKERS: 1.0, MIXED: 2.0, LANE: 1.0}
+    race.best = MIXED  # no tour for a while
+    lane = [race.next(i * 0.001) for i in range(6 * _looplane.RACE_PERIOD)]
+    assert sum(lane) == 2 * _looplane.RACE_PERIOD
+    assert all(lane[i] == (i % 3 == 2) for i in range(len(lane)))
+
+
+def test_the_race_keeps_the_workers_when_they_are_faster_and_times_the_others_ever_less_often() -> (
     None
 ):
-    ways = _Clock().windows(400, lane_s=0.002, workers_s=0.001)
+    ways = _Clock().windows(600, costs=(0.001, 0.0015, 0.002))
     runs = _runs(ways)
     period, settle = _looplane.RACE_PERIOD, _looplane.RACE_SETTLE
-    assert runs[0] == (False, period)  # the workers first, then the lane timed
-    lane = [n for way, n in runs if way]
-    workers = [n for way, n in runs if not way][1:-1]  # between two timings of the lane
-    assert set(lane) == {settle + period}  # one period each, after the settling windows
+    # The workers first, then the others, one period each after their settling windows.
+    assert runs[:3] == [(WORKERS, period), (MIXED, settle + period), (LANE, settle + period)]
+    tours = [n for way, n in runs[:-1] if way != WORKERS]  # the last may be cut short
+    assert set(tours) == {settle + period}
+    stays = [n for way, n in runs if way == WORKERS][1:-1]  # between two tours
     # Timed again after 8 periods, then 16, 32 and 64 at most.
     checks = [_looplane.RACE_RECHECK * 2**k for k in range(4)]
     assert checks[-1] == _looplane.RACE_RECHECK_MAX
-    assert workers[:5] == [settle + n * period for n in [*checks, checks[-1]]]
-    assert sum(ways) / len(ways) < 0.05
+    assert stays[:5] == [settle + n * period for n in [*checks, checks[-1]]]
+    assert _share(ways, WORKERS) > 0.9
 
 
-def test_the_race_moves_to_the_lane_only_when_it_is_clearly_faster() -> None:
-    within_margin = _Clock().windows(100, lane_s=0.00095, workers_s=0.001)
-    assert sum(within_margin) / len(within_margin) < 0.1  # a tie leaves the loop free
-    faster = _Clock().windows(100, lane_s=0.0005, workers_s=0.001)
-    assert sum(faster) / len(faster) > 0.9
+def test_the_race_puts_more_on_the_lane_only_when_that_is_clearly_faster() -> None:
+    tie = _Clock().windows(100, costs=(0.001, 0.00095, 0.00092))
+    assert _share(tie, WORKERS) > 0.9  # a tie leaves the loop free
+    mixed = _Clock().windows(100, costs=(0.001, 0.0006, 0.0008))
+    assert _share(mixed, MIXED) > 0.9
+    lane = _Clock().windows(100, costs=(0.001, 0.0008, 0.0005))
+    assert _share(lane, LANE) > 0.9
 
 
 def test_the_race_does_not_time_the_windows_behind_those_still_in_flight() -> None:
     """With many batches in flight (many workers, a deep prefetch), the first windows after a
     change go at the old way's pace; settling for as many keeps them out of the timing."""
-    in_flight = 24
-    settled = _Clock(settle=in_flight, in_flight=in_flight)
-    ways = settled.windows(200, lane_s=0.0007, workers_s=0.001)
-    assert sum(ways) / len(ways) > 0.85
-    # Timed from the first window on, the lane's period is mostly the workers' pace: it loses.
-    unsettled = _Clock(settle=0, in_flight=in_flight)
-    ways = unsettled.windows(200, lane_s=0.0007, workers_s=0.001)
-    assert sum(ways) / len(ways) < 0.2
+    in_flight, costs = 24, (0.001, 0.0012, 0.0007)
+    settled = _Clock(settle=in_flight, in_flight=in_flight).windows(200, costs)
+    assert _share(settled, LANE) > 0.85
+    # Timed from the first window on, the lane's period is mostly another way's pace: it loses.
+    unsettled = _Clock(settle=0, in_flight=in_flight).windows(200, costs)
+    assert _share(unsettled, LANE) < 0.2
 
 
-def test_the_race_follows_the_machines_load_both_ways() -> None:
+def test_the_race_follows_the_machines_load() -> None:
     clock = _Clock()
-    clock.windows(20, lane_s=0.002, workers_s=0.001)  # quiet: the workers win
-    assert clock.race.best is False
+    clock.windows(20, costs=(0.001, 0.0007, 0.002))  # quiet: one in three on the lane wins
+    assert clock.race.best == MIXED
     # Loaded: the workers slow down, and the lane wins once it is timed again.
-    periods = _looplane.RACE_RECHECK_MAX + 10
-    loaded = clock.windows(periods, lane_s=0.002, workers_s=0.004)
-    assert clock.race.best is True
-    assert sum(loaded[len(loaded) // 2 :]) / (len(loaded) - len(loaded) // 2) > 0.9
-    # Quiet again: the workers are timed again (at the latest after RACE_RECHECK_MAX periods,
-    # the lane having won every recheck) and win back.
-    quiet = clock.windows(2 * periods, lane_s=0.002, workers_s=0.001)
-    assert clock.race.best is False
-    assert sum(quiet[len(quiet) // 2 :]) / (len(quiet) - len(quiet) // 2) < 0.1
+    periods = 2 * _looplane.RACE_RECHECK_MAX + 10
+    loaded = clock.windows(periods, costs=(0.004, 0.003, 0.002))
+    assert clock.race.best == LANE
+    assert _share(loaded, LANE) > 0.9
+    # Quiet again: the others are timed again (after RACE_RECHECK_MAX periods at the latest)
+    # and one in three wins back.
+    quiet = clock.windows(periods, costs=(0.001, 0.0007, 0.002))
+    assert clock.race.best == MIXED
+    assert _share(quiet, MIXED) > 0.9
+
+
+def test_a_change_of_the_workers_priority_times_every_way_again() -> None:
+    """Rates timed under another priority of the workers are stale: after ``rerace`` the
+    others are timed at once (not after the settled race's long recheck interval), and the
+    rechecks start again from RACE_RECHECK."""
+    clock = _Clock()
+    clock.windows(300, costs=(0.001, 0.0015, 0.002))
+    assert clock.race.best == WORKERS and clock.race._recheck == _looplane.RACE_RECHECK_MAX
+    clock.race.rerace()
+    # Now one in three on the lane is the fastest (the workers were lowered meanwhile).
+    ways = clock.windows(4, costs=(0.001, 0.0007, 0.002))
+    assert [way for way, _ in _runs(ways)][:3] == [WORKERS, MIXED, LANE]
+    assert clock.race.best == MIXED and clock.race._recheck == _looplane.RACE_RECHECK
+    # Without it, the lowering would be found only at the next recheck, 64 periods on.
+    clock = _Clock()
+    clock.windows(300, costs=(0.001, 0.0015, 0.002))
+    assert set(clock.windows(4, costs=(0.001, 0.0007, 0.002))) == {WORKERS}
 
 
 def test_windows_sent_outside_the_race_drop_its_period_and_settle_it_again() -> None:
@@ -320,11 +390,11 @@ def test_windows_sent_outside_the_race_drop_its_period_and_settle_it_again() -> 
     for i in range(_looplane.RACE_PERIOD - 1):  # a new race starts timing at once
         race.next(i * 0.001)
     race.restart()
-    for i in range(settle):  # untimed: a pause of 1 s among them changes nothing
+    for i in range(settle):  # untimed: a pause of 10 s among them changes nothing
         race.next(1.0 + i * 10.0)
     for i in range(_looplane.RACE_PERIOD + 1):
         race.next(100.0 + i * 0.001)
-    assert race.rates == {False: pytest.approx(1000.0)}
+    assert race.rates == {WORKERS: pytest.approx(1000.0)}
 
 
 @pytest.mark.usefixtures("lane_open")

@@ -136,6 +136,59 @@ def child() -> Iterator[int]:
         proc.wait()
 
 
+def test_a_favored_loop_lowers_the_workers_on_a_quiet_machine_only() -> None:
+    """The loop lane asks for the loop's CPU: the workers go idle once the machine is known
+    quiet, come back when it is shared or the lane is done; the lateness policy's own level
+    (what later loaders start at) is not touched."""
+    policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+    # Nothing is known of the machine yet: no lowering until its first samples say quiet.
+    assert policy.favor(True) is None
+    assert policy.effective == 0
+    early = _priority._EARLY_SAMPLES
+    assert feed(policy, [PROMPT] * (early - 1)) == []
+    assert policy.observe(PROMPT, 0.0) == _priority.IDLE
+    assert (policy.level, policy.effective) == (0, _priority.IDLE)
+    # The rest of a quiet window: they stay lowered, the window's end changes nothing.
+    assert feed(policy, [PROMPT] * (policy.window - early)) == []
+    # The lane is done: back to the lateness policy's level at once.
+    assert policy.favor(False) == 0
+    assert policy.favor(True) == _priority.IDLE  # the last window was quiet: at once
+    # Another process competes for a whole window: the workers keep their share.
+    assert feed(policy, [PROMPT] * policy.window, others=1.0) == [0]
+    assert policy.effective == 0
+    assert feed(policy, [PROMPT] * policy.window) == [_priority.IDLE]  # quiet again
+    assert policy.favor(False) == 0
+    assert policy.level == 0
+
+
+def test_a_favored_loop_changes_nothing_where_the_workers_could_not_be_raised_again() -> None:
+    policy = NicePolicy(can_raise=False, low=_priority.LOW_NICE)
+    assert feed(policy, [PROMPT] * policy.window) == []
+    assert policy.favor(True) is None
+    assert feed(policy, [PROMPT] * policy.window * 2) == []
+    assert policy.effective == 0
+
+
+def test_workers_idle_for_a_favored_loop_and_starved_go_to_a_niceness() -> None:
+    """The idle guard holds for a favored lowering too: starved idle workers get a niceness,
+    for good, and the lateness policy's level stays what it was."""
+    policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+    feed(policy, [PROMPT] * policy.window)
+    assert policy.favor(True) == _priority.IDLE
+    levels = [
+        lvl
+        for _ in range(policy.window)
+        if (lvl := policy.observe(PROMPT, 0.0, stalled=0.5, queued=0.9)) is not None
+    ]
+    assert levels == [_priority.LOW_NICE]
+    assert (policy.level, policy.effective, policy.low) == (
+        0,
+        _priority.LOW_NICE,
+        _priority.LOW_NICE,
+    )
+    assert policy.favor(False) == 0
+
+
 async def test_the_monitor_renices_workers_as_the_policy_decides(
     child: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,6 +219,33 @@ async def test_the_monitor_renices_workers_as_the_policy_decides(
     finally:
         monitor.pause()
     assert not monitor.running
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+async def test_the_monitor_applies_a_favored_loop_at_once_and_counts_no_change(
+    child: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """favor_loop renices at once; overlapping lanes count (the last one out raises them); it is
+    the lane's own doing, so it is not a change of the machine for the race (``changes``)."""
+    if not _priority.may_raise_priority():
+        pytest.skip("this process may not raise a priority it lowered")
+    monkeypatch.setattr(_priority, "_last_level", 0)
+    monitor = _priority.PriorityMonitor(lambda: True)
+    try:
+        monitor.watch(lambda: [child])
+        feed(monitor.policy, [PROMPT] * monitor.policy.window)  # a quiet machine
+        changes = _priority.changes
+        monitor.favor_loop(True)
+        assert os.sched_getscheduler(child) == os.SCHED_IDLE
+        monitor.favor_loop(True)  # a second epoch's lane
+        monitor.favor_loop(False)
+        assert os.sched_getscheduler(child) == os.SCHED_IDLE
+        monitor.favor_loop(False)
+        assert os.sched_getscheduler(child) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, child) == os.getpriority(os.PRIO_PROCESS, 0)
+        assert _priority.changes == changes and _priority._last_level == 0
+    finally:
+        monitor.pause()
 
 
 async def test_a_refused_raise_leaves_the_workers_lowered(
