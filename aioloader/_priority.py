@@ -167,8 +167,9 @@ class NicePolicy:
     ) -> int | None:
         """One sample: the loop's lateness, how many other tasks were runnable (None: unknown),
         and the shares of the sample's time the consumer waited for data and the workers waited
-        for a CPU. Returns the new level when this sample completes a window that changes it
-        (a window ends after ``window`` samples, or earlier to lower the workers, see below)."""
+        for a CPU. Returns the new :attr:`effective` level when this sample changes it: a window
+        ends after ``window`` samples, or earlier to lower the workers (see :meth:`_observe`);
+        a favored lowering waits for the machine to be known quiet."""
         before = self.effective
         self._observe(lateness_s, others, stalled, queued)
         after = self.effective
@@ -177,8 +178,8 @@ class NicePolicy:
 
     def _observe(
         self, lateness_s: float, others: float | None, stalled: float, queued: float
-    ) -> int | None:
-        """:meth:`observe` for :attr:`level`: returns it when this sample changed it."""
+    ) -> None:
+        """:meth:`observe` for :attr:`level`."""
         self._n += 1
         if lateness_s > self.bound_s:
             self._late += 1
@@ -201,8 +202,7 @@ class NicePolicy:
             ):
                 self._strikes = 0
                 self.level = self.low
-                return self.level
-            return None
+            return
         over = self._late > self.over_samples
         shared = self._others_n > 0 and self._others / self._others_n >= self.shared
         starved = self._stalled / self._n > STARVED and self._queued / self._n > QUEUED
@@ -213,26 +213,24 @@ class NicePolicy:
             # Something of this process keeps the cores busy and the idle workers get none of
             # them: they go back to a niceness, and idle is not tried again.
             self.low = min(self.low, LOW_NICE)
-            self.level = min(self.level, LOW_NICE) if self.level == IDLE else self.level
-            return self.effective
-        return self._decide(over, shared)
+            if self.level == IDLE:
+                self.level = LOW_NICE
+            return
+        self._decide(over, shared)
 
-    def _decide(self, over: bool, shared: bool) -> int | None:
+    def _decide(self, over: bool, shared: bool) -> None:
         if self.level < self.low:
             if not over or shared:
                 self._strikes = 0
-                return None
+                return
             self._strikes += 1
             # A lowering that cannot be undone waits for a second window to confirm it.
             if self._strikes < (1 if self.can_raise else 2):
-                return None
+                return
             self._strikes = 0
             self.level = self.low
-            return self.level
-        if shared and self.can_raise:
+        elif shared and self.can_raise:
             self.level = 0
-            return self.level
-        return None
 
 
 def _same(value: Callable[[], list[int]]) -> Callable[[], list[int]]:
