@@ -43,7 +43,7 @@ from typing import Any, NamedTuple, Protocol
 
 from torch.utils.data import IterableDataset
 
-from ._looplane import LoopLane
+from ._looplane import MIN_IDLE, LoopLane
 from ._records import Failure, Flight, Host, StreamInput
 from ._remote import FetchPolicy, SampleFetcher
 from ._resume import batch_seed
@@ -470,6 +470,10 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
             if window:
                 if result is not None:
                     _deliver_local(epoch, send_idx, window, wid, result)
+                    if idle >= MIN_IDLE:
+                        # A paced source: let the consumer take the batch before this task
+                        # reads on (the next window's first samples may be waiting already).
+                        await asyncio.sleep(0)
                 else:
                     _submit(epoch, send_idx, window, wid)
                     epoch.window_ahead = None  # in flight now: a crash is blamed on it there

@@ -194,6 +194,58 @@ async def test_a_dear_transform_stays_in_the_workers() -> None:
     assert os.getpid() not in _pids(got)
 
 
+class Bursts:
+    """``tensor([i])`` for i < n, in bursts of ``burst`` back to back, ``gap`` seconds apart."""
+
+    def __init__(self, n: int, burst: int, gap: float) -> None:
+        self.n, self.burst, self.gap = n, burst, gap
+
+    async def __aiter__(self) -> AsyncIterator[torch.Tensor]:
+        for i in range(self.n):
+            if i % self.burst == 0:
+                await asyncio.sleep(self.gap)
+            yield torch.tensor([i])
+
+
+@pytest.mark.usefixtures("lane_open")
+async def test_a_paced_window_from_the_loop_reaches_the_consumer_before_the_next_one_starts() -> (
+    None
+):
+    """A burst longer than a window leaves samples waiting when a window on the loop closes: the
+    consumer gets the batch first, and only then does the loop transform those for the next
+    window (they would otherwise add a transform step to the batch's latency)."""
+    events: list[tuple[str, int]] = []
+
+    def transform(sample: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread() is threading.main_thread():  # on the loop
+            events.append(("transform", int(sample)))
+        return sample
+
+    n, size = 120, 8
+    async with AsyncDataLoader(
+        Bursts(n, size + size // 2, 0.004),
+        batch_size=size,
+        num_workers=2,
+        transform=transform,
+        in_order=False,  # a batch from the loop is the consumer's at once, whatever the workers do
+    ) as loader:
+        async with asyncio.timeout(30):
+            async for batch in loader:
+                events.append(("batch", int(batch[-1])))
+
+    on_loop = [i for kind, i in events if kind == "transform"]
+    delivered = [(k, i) for k, (kind, i) in enumerate(events) if kind == "batch"]
+    checked = 0
+    for k, last in delivered:
+        if last not in on_loop:
+            continue  # a worker's batch: it arrives whenever the worker's result does
+        # Every sample after the batch's last was transformed after the consumer had the batch.
+        before = {i for kind, i in events[:k] if kind == "transform"}
+        assert not {i for i in before if i > last}, (last, sorted(before)[-3:])
+        checked += 1
+    assert checked >= 2, "too few windows were loaded on the loop to tell"
+
+
 @pytest.mark.usefixtures("lane_open")
 async def test_an_unpaced_sources_first_windows_go_to_the_workers() -> None:
     """Until a race period (RACE_PERIOD windows) has been timed, nothing runs on the loop."""
