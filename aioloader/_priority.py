@@ -33,8 +33,10 @@ and decides:
   partly transformed on the loop itself (``_looplane``), the loop's CPU time is what the consumer
   waits on, and a worker that shares the loop's core slows the whole pipeline. While the lane
   asks, on a machine known not to be shared (the last window, or the current one's first
-  samples), the workers run lowered; beside other tasks they keep their level. The lateness
-  policy's own level (what later pools start at) is not changed by it.
+  samples; never with the machine's load unknown), the workers run lowered, where the policy
+  may raise them again; beside other tasks they keep their level. The lateness policy's own
+  level (what later pools start at) is not changed by it. Every change the policy makes is
+  counted in :data:`changes`, for the lane's race.
 * **What it may do.** Lowering a priority is always allowed; raising it back needs
   ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` of 20 or more. Without either, workers go down only
   (after two such windows in a row, not one) and stay there until they are replaced; new workers
@@ -205,17 +207,18 @@ class NicePolicy:
             return
         over = self._late > self.over_samples
         shared = self._others_n > 0 and self._others / self._others_n >= self.shared
+        # Unknown competition never counts as a quiet machine for a favored lowering.
+        self._shared_last = shared if self._others_n > 0 else None
         starved = self._stalled / self._n > STARVED and self._queued / self._n > QUEUED
         self._n = self._late = self._others_n = 0
         self._others = self._stalled = self._queued = 0.0
-        self._shared_last = shared
         if self.effective == IDLE and starved:
             # Something of this process keeps the cores busy and the idle workers get none of
-            # them: they go back to a niceness, and idle is not tried again.
+            # them: they go back to a niceness, and idle is not tried again (favored or not).
             self.low = min(self.low, LOW_NICE)
             if self.level == IDLE:
                 self.level = LOW_NICE
-            return
+                return
         self._decide(over, shared)
 
     def _decide(self, over: bool, shared: bool) -> None:
@@ -385,7 +388,6 @@ class PriorityMonitor:
         self._thread_fds.clear()
 
     def _tick(self) -> None:
-        global _last_level, changes
         loop = self._loop
         assert loop is not None
         if not self._active():
@@ -409,23 +411,32 @@ class PriorityMonitor:
         else:
             self._queued_ns.clear()  # from the first idle sample again, if they go idle later
         level = self.policy.level
-        changed = self.policy.observe(lateness, self._others(), stalled, queued)
-        if self.policy.level != level and self.policy.can_raise:
-            _last_level = self.policy.level
-        if changed is not None:
-            changes += 1
-            self._apply()
-        elif self.policy._n == 0:  # a window ended: workers started since get the level too
-            self._apply()
+        self._decided(level, self.policy.observe(lateness, self._others(), stalled, queued))
         if self.policy._n == 0:
             self._find_threads()
         self._due = now + PERIOD_S
         self._handle = loop.call_at(self._due, self._tick)
 
+    def _decided(self, level: int, changed: int | None) -> None:
+        """After a sample: ``level`` was the policy's level before it, ``changed`` what
+        :meth:`NicePolicy.observe` answered. Counts and applies the change."""
+        global _last_level, changes
+        if self.policy.level != level or changed is not None:
+            # A change the policy made (a favored lowering that waited for the machine to be
+            # known quiet included; not one favor() made at once): what the lane's race timed
+            # before it is stale.
+            changes += 1
+            if self.policy.level != level and self.policy.can_raise:
+                _last_level = self.policy.level
+        if changed is not None or self.policy._n == 0:
+            # (At a window's end, workers started since get the level too.)
+            self._apply()
+
     def favor_loop(self, on: bool) -> None:
         """The loop lane runs an unpaced stream's windows beside the workers, or no longer:
         :meth:`NicePolicy.favor`, applied at once."""
-        self._favors += 1 if on else -1
+        # (At 0 at least: a lane that asked before this monitor existed asked nobody.)
+        self._favors = max(0, self._favors + (1 if on else -1))
         if self.policy.favor(self._favors > 0) is not None:
             self._apply()
 
@@ -496,6 +507,7 @@ class PriorityMonitor:
 
     def _apply(self) -> None:
         """Give every current worker the policy's niceness."""
+        global changes
         pids: list[int] = []
         for ref in list(self._pools):
             source = ref()
@@ -530,6 +542,7 @@ class PriorityMonitor:
                 # Raising it back is not allowed after all: stay lowered from now on.
                 self.policy.can_raise = False
                 self.policy.level = max(self.policy.level, self._applied.get(pid, 0))
+                changes += 1  # the workers stay where they are: not where the race thinks
                 continue
             except OSError:  # exited meanwhile
                 continue

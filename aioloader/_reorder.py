@@ -69,6 +69,10 @@ class ReorderBuffer(Generic[_T]):
         else:
             self._ahead.add(idx)
 
+    def holds(self, idx: int) -> bool:
+        """Whether ``idx`` arrived and was not released yet."""
+        return idx in self._pending
+
     def put(self, idx: int, item: _T) -> None:
         self._mark(idx)
         self._pq.put_nowait((idx, item))

@@ -59,6 +59,9 @@ _logger = logging.getLogger(__name__)
 #: A window's samples go ahead to its worker only if the source's last wait took this long.
 AHEAD_MIN_WAIT_S = 0.00025
 
+#: Loop turns a paced window from the loop lane waits at most for the consumer to take it.
+HANDOVER_TURNS = 4
+
 #: How long a source left early (break, aclose(), an error) gets to stop once cancelled,
 #: cancelled again and again meanwhile, before it is given up on and left running.
 SOURCE_STOP_S = 5.0
@@ -472,8 +475,13 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                     _deliver_local(epoch, send_idx, window, wid, result)
                     if idle >= MIN_IDLE:
                         # A paced source: let the consumer take the batch before this task
-                        # reads on (the next window's first samples may be waiting already).
-                        await asyncio.sleep(0)
+                        # reads on (the next window's first samples may be waiting already,
+                        # and their transform would come first). A few turns at most: the
+                        # consumer may be busy elsewhere, or wait for an earlier batch.
+                        for _ in range(HANDOVER_TURNS):
+                            if not epoch.reorder.holds(send_idx):
+                                break
+                            await asyncio.sleep(0)
                 else:
                     _submit(epoch, send_idx, window, wid)
                     epoch.window_ahead = None  # in flight now: a crash is blamed on it there
@@ -489,9 +497,11 @@ async def _run_iterable(epoch: StreamSide, stream: StreamInput) -> None:
                 break
         epoch.reorder.close(send_idx)
     finally:
-        lane.close()
         epoch.window_ahead = None
-        await reading.stop(reader)
+        try:
+            await reading.stop(reader)
+        finally:
+            lane.close()
 
 
 async def _run_map(epoch: StreamSide, stream: StreamInput) -> None:

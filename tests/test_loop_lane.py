@@ -23,7 +23,6 @@ import torch
 from torch.utils.data import get_worker_info
 
 from aioloader import AsyncDataLoader, _looplane, _priority
-from aioloader._loader import _Host
 from tests import stream_sources as ss
 from tests.conftest import collect
 
@@ -285,12 +284,14 @@ async def test_an_unpaced_source_moving_between_lane_and_workers_keeps_every_eve
 async def test_the_lane_asks_for_the_loops_cpu_while_a_way_puts_windows_on_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The host hears favor_loop(True) when the race moves to a way that puts windows on the
-    loop and favor_loop(False) when it moves back, in pairs, the last one at the epoch's end;
-    a change of the workers' priority meanwhile has every way timed again."""
+    """The loader's priority monitor hears favor_loop(True) when the race moves to a way that
+    puts windows on the loop and favor_loop(False) when it moves back, in pairs, the last one
+    at the epoch's end; a change of the workers' priority meanwhile has every way timed
+    again."""
     monkeypatch.setattr(_priority, "changes", _priority.changes)
     calls: list[bool] = []
-    monkeypatch.setattr(_Host, "favor_loop", lambda host, on: calls.append(on))
+    # The loader's own monitor gets them (through the epoch's host).
+    monkeypatch.setattr(_priority.PriorityMonitor, "favor_loop", lambda m, on: calls.append(on))
     reraces: list[int] = []
     monkeypatch.setattr(_looplane._Race, "rerace", lambda race: reraces.append(race.way))
     monkeypatch.setattr(_looplane, "RACE_PERIOD", 3)

@@ -169,6 +169,14 @@ def test_a_favored_loop_changes_nothing_where_the_workers_could_not_be_raised_ag
     assert policy.effective == 0
 
 
+def test_a_favored_loop_changes_nothing_where_competition_is_unknown() -> None:
+    """Without the machine's load (no /proc/loadavg) it is never known quiet."""
+    policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+    assert policy.favor(True) is None
+    assert feed(policy, [PROMPT] * policy.window * 3, others=None) == []
+    assert policy.effective == 0
+
+
 def test_workers_idle_for_a_favored_loop_and_starved_go_to_a_niceness() -> None:
     """The idle guard holds for a favored lowering too: starved idle workers get a niceness,
     for good, and the lateness policy's level stays what it was."""
@@ -187,6 +195,13 @@ def test_workers_idle_for_a_favored_loop_and_starved_go_to_a_niceness() -> None:
         _priority.LOW_NICE,
     )
     assert policy.favor(False) == 0
+    # The window's lateness still counts: a late, starved window lowers the policy's level too.
+    policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+    feed(policy, [PROMPT] * policy.window)
+    policy.favor(True)
+    for s in window(policy.window, policy):
+        policy.observe(s, 0.0, stalled=0.5, queued=0.9)
+    assert (policy.level, policy.low) == (_priority.LOW_NICE, _priority.LOW_NICE)
 
 
 async def test_the_monitor_renices_workers_as_the_policy_decides(
@@ -225,8 +240,8 @@ async def test_the_monitor_renices_workers_as_the_policy_decides(
 async def test_the_monitor_applies_a_favored_loop_at_once_and_counts_no_change(
     child: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """favor_loop renices at once; overlapping lanes count (the last one out raises them); it is
-    the lane's own doing, so it is not a change of the machine for the race (``changes``)."""
+    """favor_loop renices at once; overlapping lanes count (the last one out raises them); a
+    favor() that takes effect at once is the lane's own doing, not a change for its race."""
     if not _priority.may_raise_priority():
         pytest.skip("this process may not raise a priority it lowered")
     monkeypatch.setattr(_priority, "_last_level", 0)
@@ -246,6 +261,34 @@ async def test_the_monitor_applies_a_favored_loop_at_once_and_counts_no_change(
         assert _priority.changes == changes and _priority._last_level == 0
     finally:
         monitor.pause()
+
+
+def test_the_monitor_counts_every_change_the_policy_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``changes`` (which makes the lane's race time every way again) moves when the policy's
+    level moves, even while a favored lowering hides it, and when a favored lowering waited
+    for the machine to be known quiet; only the lateness policy's level is remembered for
+    later pools."""
+    monkeypatch.setattr(_priority, "changes", 0)
+    monkeypatch.setattr(_priority, "_last_level", 0)
+    monitor = _priority.PriorityMonitor(lambda: True)
+    monitor.policy = policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+
+    def sample(lateness: float) -> None:
+        level = policy.level
+        monitor._decided(level, policy.observe(lateness, 0.0))
+
+    monitor.favor_loop(True)  # nothing known of the machine yet: no change
+    assert (_priority.changes, policy.effective) == (0, 0)
+    for _ in range(_priority._EARLY_SAMPLES):
+        sample(PROMPT)
+    assert (_priority.changes, policy.effective) == (1, _priority.IDLE)  # known quiet now
+    assert _priority._last_level == 0
+    for s in window(policy.window, policy)[_priority._EARLY_SAMPLES :]:
+        sample(s)  # late: the policy lowers its own level, under the favored one
+    assert policy.level == _priority.IDLE and policy.effective == _priority.IDLE
+    assert _priority.changes == 2 and _priority._last_level == _priority.IDLE
+    monitor.favor_loop(False)  # its own level: still idle, no change of the workers
+    assert _priority.changes == 2
 
 
 async def test_a_refused_raise_leaves_the_workers_lowered(
