@@ -257,6 +257,17 @@ async def test_an_unpaced_sources_first_windows_go_to_the_workers() -> None:
     assert os.getpid() not in _pids(got)
 
 
+async def _unpaced_once_in_order(n: int) -> list[Any]:
+    """The batches of an unpaced source of ``n`` events, 2 workers; checks every event came once,
+    in order."""
+    async with AsyncDataLoader(
+        ss.Counting(n), batch_size=BATCH, num_workers=2, transform=where, transform_in="auto"
+    ) as loader:
+        got: list[Any] = await collect(loader)
+    assert [int(v) for b in got for v in b["x"].flatten()] == list(range(n))
+    return got
+
+
 @pytest.mark.usefixtures("lane_open")
 async def test_an_unpaced_source_moving_between_lane_and_workers_keeps_every_event_once_in_order(
     monkeypatch: pytest.MonkeyPatch,
@@ -265,13 +276,7 @@ async def test_an_unpaced_source_moving_between_lane_and_workers_keeps_every_eve
     batches still arrive in order, each event once, some from the loop and some from workers."""
     monkeypatch.setattr(_looplane, "RACE_PERIOD", 3)
     monkeypatch.setattr(_looplane._Race, "_ended", lambda race, rate: 2 - race.way)
-    n = 240
-    async with AsyncDataLoader(
-        ss.Counting(n), batch_size=BATCH, num_workers=2, transform=where, transform_in="auto"
-    ) as loader:
-        got: list[Any] = await collect(loader)
-    assert [int(v) for b in got for v in b["x"].flatten()] == list(range(n))
-    pids = _pids(got)
+    pids = _pids(await _unpaced_once_in_order(240))
     assert os.getpid() in pids and len(set(pids)) >= 2
     # Several switches each way, not one move half-way.
     switches = sum(
@@ -301,12 +306,7 @@ async def test_the_lane_asks_for_the_loops_cpu_while_a_way_puts_windows_on_it(
         return (race.way + 1) % 3
 
     monkeypatch.setattr(_looplane._Race, "_ended", ended)
-    n = 600
-    async with AsyncDataLoader(
-        ss.Counting(n), batch_size=BATCH, num_workers=2, transform=where, transform_in="auto"
-    ) as loader:
-        got: list[Any] = await collect(loader)
-    assert [int(v) for b in got for v in b["x"].flatten()] == list(range(n))
+    await _unpaced_once_in_order(600)
     assert calls[0] is True and calls[-1] is False and len(calls) >= 4
     assert all(a != b for a, b in itertools.pairwise(calls))  # on, off, on, off...
     assert len(reraces) >= 3
