@@ -315,12 +315,10 @@ class LoopLane:
         paced and the lane the faster way (:class:`_Race`). Called once per window."""
         cost = self._epoch.window_cost
         if self._closed or cost is None or cost[0] > MAX_COLLATE_S + MAX_SAMPLE_S * cost[1]:
-            self._race.restart()
-            self._favor(False)
+            self._outside_race()
             return False
         if idle >= MIN_IDLE:
-            self._race.restart()  # the source's pace, not the pipeline's, sets the rate now
-            self._favor(False)
+            self._outside_race()  # the source's pace, not the pipeline's, sets the rate now
             return True
         if self._priority_changes != _priority.changes:
             # The workers' priority changed (not by this lane): the rates timed before are stale.
@@ -330,6 +328,12 @@ class LoopLane:
         # A way that puts windows on the loop makes the loop's CPU the pipeline's bottleneck.
         self._favor(RACE_WAYS[self._race.way] > 0)
         return here
+
+    def _outside_race(self) -> None:
+        """The next window is not the race's: its period is dropped, and the loop's CPU is no
+        longer asked for on its behalf."""
+        self._race.restart()
+        self._favor(False)
 
     def _favor(self, on: bool) -> None:
         if on != self._favoring:

@@ -147,6 +147,10 @@ class NicePolicy:
         """No other task competes: the last window said so, or this one's first samples do."""
         if self._shared_last is not None:
             return not self._shared_last
+        return self._quiet_so_far()
+
+    def _quiet_so_far(self) -> bool:
+        """This window's first samples (enough of them) found no other task competing."""
         return self._others_n >= _EARLY_SAMPLES and self._others / self._others_n < self.shared
 
     def favor(self, on: bool) -> int | None:
@@ -199,8 +203,7 @@ class NicePolicy:
                 self.can_raise
                 and self.level < self.low
                 and self._late > self.over_samples
-                and self._others_n >= _EARLY_SAMPLES
-                and self._others / self._others_n < self.shared
+                and self._quiet_so_far()
             ):
                 self._strikes = 0
                 self.level = self.low
