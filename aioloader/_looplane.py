@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import sys
 import time
 from collections.abc import Iterator
@@ -63,7 +62,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
-from . import _npstate, _priority, _threadworkers, _worker
+from . import _npstate, _priority, _pyrandom, _threadworkers, _worker
 from ._backend import Direct
 from ._records import Host, Plan
 from ._worker import Samples
@@ -224,7 +223,7 @@ class _Generators:
 
     def __init__(self, base_seed: int, worker_id: int) -> None:
         seed = base_seed + worker_id  # the caller passes an id past the workers' (see above)
-        self.py = random.Random(seed).getstate()
+        self.py = _pyrandom.seeded(seed)
         self.torch = torch.Generator().manual_seed(seed).get_state()
         # As a worker seeds numpy's global generator; made on first use, of the kind the
         # program's global generator is then.
@@ -247,12 +246,12 @@ class _Generators:
         whatever happens in it (or in the swap itself). numpy's through :mod:`._npstate`: its
         own calls cost most of a cheap step."""
         npr = sys.modules.get("numpy.random")  # aioloader._worker imports it
-        program = random.getstate(), torch.get_rng_state()
+        program = _pyrandom.get(), torch.get_rng_state()
         program_np = _npstate.get(npr) if npr is not None else None
         lane_np = self._numpy(npr) if npr is not None else None
         entered = False
         try:
-            random.setstate(self.py)
+            _pyrandom.put(self.py)
             torch.set_rng_state(self.torch)
             if lane_np is not None:
                 _npstate.put(npr, lane_np)
@@ -261,11 +260,11 @@ class _Generators:
         finally:
             try:
                 if entered:
-                    self.py, self.torch = random.getstate(), torch.get_rng_state()
+                    self.py, self.torch = _pyrandom.get(), torch.get_rng_state()
                     if lane_np is not None:
                         self.np = _npstate.get(npr)
             finally:
-                random.setstate(program[0])
+                _pyrandom.put(program[0])
                 torch.set_rng_state(program[1])
                 if program_np is not None and _npstate.fits(npr, program_np):
                     # (Where it no longer fits, the block replaced the program's bit generator
