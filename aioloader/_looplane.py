@@ -229,6 +229,9 @@ class _Generators:
         # program's global generator is then.
         self._np_seed = torch_worker._generate_state(base_seed, worker_id)  # type: ignore[no-untyped-call]
         self.np: Any = None
+        # The program's states of the last block, whose buffers the next one fills.
+        self._kept: tuple[Any, Any] = (None, None)
+        self._open = False
 
     def _numpy(self, npr: Any) -> Any:
         """The stand-in's numpy state, of the kind the global generator is now; None where
@@ -243,13 +246,20 @@ class _Generators:
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
         """Make these the global generators for the block; the program's come back after,
-        whatever happens in it (or in the swap itself). numpy's through :mod:`._npstate`: its
-        own calls cost most of a cheap step."""
+        whatever happens in it (or in the swap itself). ``random``'s and numpy's through
+        :mod:`._pyrandom` and :mod:`._npstate`, into buffers kept from the last block: their
+        own calls, and fresh buffers, cost most of a cheap step."""
+        if self._open:  # a block inside a block: these are the global generators already
+            yield
+            return
         npr = sys.modules.get("numpy.random")  # aioloader._worker imports it
-        program = _pyrandom.get(), torch.get_rng_state()
-        program_np = _npstate.get(npr) if npr is not None else None
+        # The program's states go into the buffers of the last block.
+        py, program_np = self._kept
+        program = _pyrandom.get(py), torch.get_rng_state()
+        program_np = _npstate.get(npr, program_np) if npr is not None else None
         lane_np = self._numpy(npr) if npr is not None else None
         entered = False
+        self._open = True
         try:
             _pyrandom.put(self.py)
             torch.set_rng_state(self.torch)
@@ -260,16 +270,20 @@ class _Generators:
         finally:
             try:
                 if entered:
-                    self.py, self.torch = _pyrandom.get(), torch.get_rng_state()
+                    self.py, self.torch = _pyrandom.get(self.py), torch.get_rng_state()
                     if lane_np is not None:
-                        self.np = _npstate.get(npr)
+                        self.np = _npstate.get(npr, self.np)
             finally:
-                _pyrandom.put(program[0])
-                torch.set_rng_state(program[1])
-                if program_np is not None and _npstate.fits(npr, program_np):
-                    # (Where it no longer fits, the block replaced the program's bit generator
-                    # itself: that one stays.)
-                    _npstate.put(npr, program_np)
+                try:
+                    _pyrandom.put(program[0])
+                    torch.set_rng_state(program[1])
+                    if program_np is not None and _npstate.fits(npr, program_np):
+                        # (Where it no longer fits, the block replaced the program's bit
+                        # generator itself: that one stays.)
+                        _npstate.put(npr, program_np)
+                    self._kept = program[0], program_np
+                finally:
+                    self._open = False
 
 
 class LoopLane:
@@ -286,6 +300,7 @@ class LoopLane:
         self._auto_collation = stream.batch_size is not None
         self._num_workers = plan.num_workers
         self._generators: dict[int, _Generators] = {}
+        self._infos: dict[int, Any] = {}
         # With workers, only when asked for: a crash in the transform then takes the loader's
         # own process, not a worker. Without, everything runs in this process anyway.
         workers_allow = (
@@ -455,12 +470,16 @@ class LoopLane:
             local.info = info
 
     def _info(self, wid: int) -> Any:
-        plan = self._epoch.plan
-        return _worker.make_worker_info(
-            id=wid,
-            num_workers=self._num_workers,
-            seed=self._epoch.base_seed + wid,
-            dataset=self._collator,
-            rank=plan.rank,
-            world_size=plan.world_size,
-        )
+        """Worker ``wid``'s ``WorkerInfo``: one per id for the epoch, as a worker keeps one."""
+        info = self._infos.get(wid)
+        if info is None:
+            plan = self._epoch.plan
+            info = self._infos[wid] = _worker.make_worker_info(
+                id=wid,
+                num_workers=self._num_workers,
+                seed=self._epoch.base_seed + wid,
+                dataset=self._collator,
+                rank=plan.rank,
+                world_size=plan.world_size,
+            )
+        return info

@@ -15,9 +15,11 @@ and keeps one). The cache is not exposed, so its place in the object is found on
 numpy, another bit generator through ``numpy.random.set_bit_generator``), :func:`get` and
 :func:`put` use numpy's own calls: slower, never wrong.
 
-Every read and write holds the bit generator's lock (numpy's draws take it too) and a reference
-to the generator, so a generator replaced meanwhile by another thread is never freed under a
-write.
+Reads and writes are copies between views of the two places (made once per generator) and
+buffers the state keeps (:func:`get` can refill a state it made before: no allocation on the
+lane's path). Every one holds the bit generator's lock (numpy's draws take it too) and a
+reference to the generator, so a generator replaced meanwhile by another thread is never freed
+under a write.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ class _Fast:
 
     __slots__ = ("gauss", "mt")
 
-    def __init__(self, mt: bytes, gauss: bytes) -> None:
-        self.mt = mt
-        self.gauss = gauss
+    def __init__(self, mt: Any, gauss: Any) -> None:
+        self.mt = bytearray(mt)
+        self.gauss = bytearray(gauss)
 
     def legacy(self) -> tuple[Any, ...]:
         """The same state as ``get_state()`` gives it, for ``set_state()`` where the raw write
@@ -120,16 +122,37 @@ def _mt(npr: Any, rs: Any) -> Any:
     return bg
 
 
-def get(npr: Any) -> Any:
-    """The global generator's state (``npr``: the ``numpy.random`` module), for :func:`put`."""
+#: The global generator and bit generator last seen, with views of the bit generator's struct
+#: and of the normal cache (the references keep both alive, and so the addresses valid).
+_seen: tuple[Any, Any, memoryview, memoryview] | None = None
+
+
+def _views(npr: Any, rs: Any, bg: Any) -> tuple[memoryview, memoryview]:
+    """Views of ``bg``'s struct and ``rs``'s normal cache, made once per pair."""
+    global _seen
+    if _seen is None or _seen[0] is not rs or _seen[1] is not bg:
+        offset, size = _cache(npr) or (0, 0)
+        mt = (ctypes.c_char * _MT_SIZE).from_address(bg.ctypes.state_address)
+        gauss = (ctypes.c_char * size).from_address(id(rs) + offset)
+        _seen = rs, bg, memoryview(mt).cast("B"), memoryview(gauss).cast("B")
+    return _seen[2], _seen[3]
+
+
+def get(npr: Any, into: Any = None) -> Any:
+    """The global generator's state (``npr``: the ``numpy.random`` module), for :func:`put`;
+    written into ``into`` (a raw state this module made, no longer needed) where it can be,
+    instead of a new one."""
     rs = _global(npr)
     bg = _mt(npr, rs)
     if bg is not None:
-        offset, size = _cache(npr) or (0, 0)
+        mt, gauss = _views(npr, rs, bg)
         with bg.lock:
             if rs._bit_generator is bg:  # not replaced since: read it raw
-                mt = ctypes.string_at(bg.ctypes.state_address, _MT_SIZE)
-                return _Fast(mt, ctypes.string_at(id(rs) + offset, size))
+                if isinstance(into, _Fast):
+                    into.mt[:] = mt
+                    into.gauss[:] = gauss
+                    return into
+                return _Fast(mt, gauss)
     return npr.get_state(legacy=False)
 
 
@@ -155,11 +178,11 @@ def put(npr: Any, state: Any) -> None:
     if isinstance(state, _Fast):
         bg = _mt(npr, rs)
         if bg is not None:
-            offset, _ = _cache(npr) or (0, 0)
+            mt, gauss = _views(npr, rs, bg)
             with bg.lock:
                 if rs._bit_generator is bg:
-                    ctypes.memmove(bg.ctypes.state_address, state.mt, _MT_SIZE)
-                    ctypes.memmove(id(rs) + offset, state.gauss, len(state.gauss))
+                    mt[:] = state.mt
+                    gauss[:] = state.gauss
                     return
         state = state.legacy()
     npr.set_state(state)

@@ -15,9 +15,10 @@ make it draw the same. Where anything differs (another interpreter, a build with
 header, a global generator of another class), :func:`get` and :func:`put` use ``getstate()``
 and ``setstate()``: slower, never wrong.
 
-Reads and writes are single C calls that hold the GIL (``ctypes`` array ``raw``, not
-``ctypes.memmove``, which releases it), as ``random``'s own draws do: no thread sees half a
-state.
+Reads and writes are single copies between a ``memoryview`` of the struct and a buffer the
+state keeps (:func:`get` can refill a state it made before: no allocation on the lane's path).
+Each copy holds the GIL (not ``ctypes.memmove``, which releases it), as ``random``'s own draws
+do: no thread sees half a state.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class _Fast:
 
     __slots__ = ("gauss", "raw")
 
-    def __init__(self, raw: bytes, gauss: float | None) -> None:
-        self.raw = raw
+    def __init__(self, raw: Any, gauss: float | None) -> None:
+        self.raw = bytearray(raw)
         self.gauss = gauss
 
     def legacy(self) -> tuple[Any, ...]:
@@ -53,6 +54,7 @@ class _Fast:
 
 
 def _view(rng: random.Random) -> Any:
+    """The bytes of ``rng``'s struct after the header (valid while ``rng`` lives)."""
     return _Raw.from_address(id(rng) + object.__basicsize__)
 
 
@@ -82,16 +84,26 @@ def _proven() -> bool:
 
 _FAST: bool | None = None
 
+#: The global generator last seen and a view of its struct (the reference keeps it alive, and
+#: so the address valid).
+_seen: tuple[random.Random, memoryview] | None = None
 
-def _global() -> Any:
-    """The ``random.Random`` the module functions draw from, if the raw way applies to it."""
-    global _FAST
+
+def _global() -> tuple[random.Random, memoryview] | None:
+    """The ``random.Random`` the module functions draw from and a view of its state, if the raw
+    way applies to it."""
+    global _FAST, _seen
     rng = random.getstate.__self__  # type: ignore[attr-defined]
+    if _seen is not None and _seen[0] is rng:
+        return _seen
     if type(rng) is not random.Random:
         return None
     if _FAST is None:
         _FAST = _proven()
-    return rng if _FAST else None
+    if not _FAST:
+        return None
+    _seen = rng, memoryview(_view(rng)).cast("B")
+    return _seen
 
 
 def fast() -> bool:
@@ -99,21 +111,28 @@ def fast() -> bool:
     return _global() is not None
 
 
-def get() -> Any:
-    """The global generator's state, for :func:`put`."""
-    rng = _global()
-    if rng is None:
+def get(into: Any = None) -> Any:
+    """The global generator's state, for :func:`put`; written into ``into`` (a state this
+    module made, no longer needed) where it can be, instead of a new one."""
+    seen = _global()
+    if seen is None:
         return random.getstate()
-    return _Fast(_view(rng).raw, rng.gauss_next)
+    rng, view = seen
+    if isinstance(into, _Fast):
+        into.raw[:] = view
+        into.gauss = rng.gauss_next  # type: ignore[attr-defined]
+        return into
+    return _Fast(view, rng.gauss_next)  # type: ignore[attr-defined]
 
 
 def put(state: Any) -> None:
     """Make ``state`` (from :func:`get` or :func:`seeded`) the global generator's."""
-    rng = _global()
     if isinstance(state, _Fast):
-        if rng is not None:
-            _view(rng).raw = state.raw
-            rng.gauss_next = state.gauss
+        seen = _global()
+        if seen is not None:
+            rng, view = seen
+            view[:] = state.raw
+            rng.gauss_next = state.gauss  # type: ignore[attr-defined]
             return
         state = state.legacy()
     random.setstate(state)

@@ -72,6 +72,7 @@ def draws(sample: torch.Tensor) -> dict[str, Any]:
         "x": sample,
         "pid": os.getpid(),
         "r": random.random(),
+        "rgauss": random.gauss(0.0, 1.0),  # random keeps every second one too
         "t": torch.rand(()),
         "np": float(np.random.random()),
         "gauss": float(np.random.standard_normal()),  # numpy keeps every second one
@@ -125,6 +126,7 @@ async def _draw_after_an_epoch(
     if not lane:
         monkeypatch.setattr(_looplane.LoopLane, "usable", lambda self, idle: False)
     random.seed(7)
+    random.gauss(0.0, 1.0)  # the program's random keeps a normal for its next draw
     if bit_generator == "PCG64":  # numpy's documented way to change the global generator
         np.random.set_bit_generator(np.random.PCG64(7))
     else:
@@ -135,7 +137,12 @@ async def _draw_after_an_epoch(
     async with loader:
         got: list[Any] = await collect(loader)
     assert type(np.random.get_bit_generator()).__name__ == bit_generator
-    program = random.random(), float(np.random.standard_normal()), float(np.random.random())
+    program = (
+        random.gauss(0.0, 1.0),
+        random.random(),
+        float(np.random.standard_normal()),
+        float(np.random.random()),
+    )
     return *program, float(torch.rand(())), got
 
 
@@ -158,10 +165,58 @@ async def test_the_lane_leaves_the_programs_random_streams_alone(
     # Windows loaded as the same worker never repeat values: each id's generators go on from
     # where its last window left them. (Only the lane's: with PCG64, numpy's seed() in each
     # worker keeps the normal the program kept before the fork, in both workers alike.)
-    for key in ("r", "np", "gauss"):
+    for key in ("r", "rgauss", "np", "gauss"):
         pairs = [(v, p) for b in got for v, p in zip(b[key], b["pid"], strict=True)]
         values = [float(v) for v, p in pairs if p == os.getpid()]
         assert len(set(values)) == len(values), key
+
+
+def _program_draws() -> tuple[float, ...]:
+    return (
+        random.gauss(0.0, 1.0),
+        random.random(),
+        float(np.random.standard_normal()),
+        float(torch.rand(())),
+    )
+
+
+def _seed_program() -> None:
+    random.seed(5)
+    random.gauss(0.0, 1.0)  # a kept normal each
+    np.random.seed(5)
+    np.random.standard_normal()
+    torch.manual_seed(5)
+
+
+def test_the_stand_in_generators_go_on_across_blocks_and_leave_the_programs() -> None:
+    # The swap refills the buffers of the block before: blocks one after another, and a block
+    # inside a block, each give the program back exactly its own streams, and the stand-in's
+    # draws go on from where its last block left them.
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        _seed_program()
+        expected = _program_draws()
+        gens = _looplane._Generators(100, 3)
+        lane: list[tuple[float, ...]] = []
+        for nested in (False, False, True, False):
+            _seed_program()
+            with gens.current():
+                lane.append(_program_draws())
+                if nested:
+                    with gens.current():
+                        lane.append(_program_draws())
+            assert _program_draws() == expected
+        assert len(set(lane)) == len(lane), "the stand-in's streams never repeat"
+        # The stand-in's first draws are those of its own seed.
+        random.seed(103)
+        np.random.set_state(np.random.RandomState(gens._np_seed).get_state())
+        torch.manual_seed(103)
+        first = random.gauss(0.0, 1.0), random.random()
+        assert lane[0][:2] == first
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
 
 
 @pytest.mark.usefixtures("lane_open")

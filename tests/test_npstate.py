@@ -65,6 +65,20 @@ def test_a_state_read_fast_is_the_one_get_state_reports() -> None:
     assert np.array_equal(legacy[1], key)
 
 
+def test_a_state_is_refilled_in_place() -> None:
+    np.random.seed(6)
+    first = _npstate.get(npr)
+    np.random.seed(60)
+    np.random.standard_normal()
+    expected = _draws(_reference())
+    second = _npstate.get(npr, into=first)
+    assert second is first
+    assert second.legacy()[3:] == np.random.get_state()[3:]
+    np.random.seed(1)
+    _npstate.put(npr, second)
+    assert _draws(np.random) == expected
+
+
 def test_states_of_both_kinds_are_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
     np.random.seed(3)
     fast = _npstate.get(npr)

@@ -58,6 +58,19 @@ def test_a_state_read_fast_is_the_one_getstate_reports() -> None:
     assert fast.legacy() == random.getstate()
 
 
+def test_a_state_is_refilled_in_place() -> None:
+    random.seed(6)
+    first = _pyrandom.get()
+    expected = _draws(_reference())
+    random.seed(60)
+    random.gauss(0.0, 1.0)
+    second = _pyrandom.get(into=first)
+    assert second is first and second.legacy() == random.getstate()
+    random.seed(6)
+    _pyrandom.put(_pyrandom.get(into=second))
+    assert _draws() == expected
+
+
 def test_a_seeded_state_is_the_one_seed_makes() -> None:
     _pyrandom.put(_pyrandom.seeded(42))
     assert _draws() == _draws(random.Random(42))
@@ -70,6 +83,7 @@ def test_states_of_both_kinds_are_put_back(monkeypatch: pytest.MonkeyPatch) -> N
     # Where the raw way does not apply, random's own calls carry the state; a state read the
     # raw way is put back through them too.
     monkeypatch.setattr(_pyrandom, "_FAST", False)
+    monkeypatch.setattr(_pyrandom, "_seen", None)
     assert not _pyrandom.fast()
     slow = _pyrandom.get()
     assert isinstance(slow, tuple) and slow == random.getstate()
@@ -93,6 +107,7 @@ def test_a_layout_that_does_not_prove_out_takes_the_public_way(
     )
     assert not _pyrandom._proven()
     monkeypatch.setattr(_pyrandom, "_FAST", None)
+    monkeypatch.setattr(_pyrandom, "_seen", None)
     assert not _pyrandom.fast()
     assert isinstance(_pyrandom.get(), tuple)
 
@@ -117,13 +132,14 @@ def test_reads_and_writes_from_several_threads_never_mix_states() -> None:
     # Each thread puts its own state and reads it back whole: a write is one call holding the
     # GIL, so no read sees half of one state and half of another.
     states = [_pyrandom.seeded(seed) for seed in range(4)]
+    raws = {bytes(s.raw) for s in states}
     wrong: list[int] = []
 
     def churn(k: int) -> None:
         for _ in range(5000):
             _pyrandom.put(states[k])
             read = _pyrandom.get()
-            if read.raw not in {s.raw for s in states}:
+            if bytes(read.raw) not in raws:
                 wrong.append(k)
 
     threads = [threading.Thread(target=churn, args=(k,)) for k in range(4)]
