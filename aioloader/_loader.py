@@ -1026,6 +1026,12 @@ class _Host:
         if loader is not None and loader._priority is not None:
             loader._priority.favor_loop(on)
 
+    def favor_pending(self) -> bool:
+        loader = self._ref()
+        return (
+            loader is not None and loader._priority is not None and loader._priority.favor_pending()
+        )
+
 
 def _waited(ref: weakref.ref[AsyncDataLoader[Any]]) -> Callable[[], float]:
     """Seconds the consumer of the loader behind ``ref`` has waited for data (weakly)."""

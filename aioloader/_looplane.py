@@ -100,6 +100,9 @@ RACE_RECHECK_MAX = 64
 #: one that puts less: a tie leaves the loop free.
 RACE_MARGIN = 1.1
 
+#: The longest the race waits, without timing, for a favored lowering's verdict.
+FAVOR_WAIT_S = 0.5
+
 _NO_INFO = object()
 
 
@@ -275,15 +278,33 @@ class _Generators:
                         self.np = _npstate.get(npr, self.np)
             finally:
                 try:
-                    _pyrandom.put(program[0])
-                    torch.set_rng_state(program[1])
-                    if program_np is not None and _npstate.fits(npr, program_np):
-                        # (Where it no longer fits, the block replaced the program's bit
-                        # generator itself: that one stays.)
-                        _npstate.put(npr, program_np)
-                    self._kept = program[0], program_np
+                    _give_back(npr, program[0], program[1], program_np)
                 finally:
+                    self._kept = program[0], program_np
                     self._open = False
+
+
+def _give_back(npr: Any, py: Any, pt: torch.Tensor, np_state: Any) -> None:
+    """Put the program's generator states back, each on its own: one that fails (its error is
+    raised after) leaves the others restored."""
+    error: BaseException | None = None
+    try:
+        _pyrandom.put(py)
+    except BaseException as exc:
+        error = exc
+    try:
+        torch.set_rng_state(pt)
+    except BaseException as exc:
+        error = error or exc
+    try:
+        # (Where it no longer fits, the block replaced the program's bit generator itself: that
+        # one stays.)
+        if np_state is not None and _npstate.fits(npr, np_state):
+            _npstate.put(npr, np_state)
+    except BaseException as exc:
+        error = error or exc
+    if error is not None:
+        raise error
 
 
 class LoopLane:
@@ -322,6 +343,7 @@ class LoopLane:
         self._race = _Race(max(RACE_SETTLE, plan.max_in_flight))
         self._priority_changes = _priority.changes
         self._favoring = False
+        self._pending_since: float | None = None  # since when a favored lowering is pending
 
     def usable(self, idle: float) -> bool:
         """Whether the next window runs here: cheap as the workers measured it, and the source
@@ -341,6 +363,17 @@ class LoopLane:
         here = self._race.next(time.perf_counter())
         # A way that puts windows on the loop makes the loop's CPU the pipeline's bottleneck.
         self._favor(RACE_WAYS[self._race.way] > 0)
+        if self._favoring and self._epoch.host.favor_pending():
+            # The workers keep their level until the policy knows whether the machine is shared
+            # (a tenth of a second at the start): not this way's rate. Timed once it knows, or
+            # after FAVOR_WAIT_S whatever it knows (a monitor that stopped sampling).
+            now = time.perf_counter()
+            if self._pending_since is None:
+                self._pending_since = now
+            if now - self._pending_since < FAVOR_WAIT_S:
+                self._race.restart()
+        else:
+            self._pending_since = None
         return here
 
     def _outside_race(self) -> None:

@@ -110,8 +110,10 @@ def _cache(npr: Any) -> tuple[int, int] | None:
 
 
 def _global(npr: Any) -> Any:
-    """The ``RandomState`` numpy's module functions draw from."""
-    return npr.get_state.__self__
+    """The ``RandomState`` numpy's module functions draw from: the one ``get_state`` is bound
+    to, else (replaced by a function of the program's own) numpy's own global."""
+    rs = getattr(npr.get_state, "__self__", None)
+    return rs if rs is not None else npr.mtrand._rand
 
 
 def _mt(npr: Any, rs: Any) -> Any:
@@ -130,12 +132,13 @@ _seen: tuple[Any, Any, memoryview, memoryview] | None = None
 def _views(npr: Any, rs: Any, bg: Any) -> tuple[memoryview, memoryview]:
     """Views of ``bg``'s struct and ``rs``'s normal cache, made once per pair."""
     global _seen
-    if _seen is None or _seen[0] is not rs or _seen[1] is not bg:
+    seen = _seen
+    if seen is None or seen[0] is not rs or seen[1] is not bg:
         offset, size = _cache(npr) or (0, 0)
         mt = (ctypes.c_char * _MT_SIZE).from_address(bg.ctypes.state_address)
         gauss = (ctypes.c_char * size).from_address(id(rs) + offset)
-        _seen = rs, bg, memoryview(mt).cast("B"), memoryview(gauss).cast("B")
-    return _seen[2], _seen[3]
+        seen = _seen = rs, bg, memoryview(mt).cast("B"), memoryview(gauss).cast("B")
+    return seen[2], seen[3]
 
 
 def get(npr: Any, into: Any = None) -> Any:

@@ -134,6 +134,7 @@ class NicePolicy:
         #: The loop lane asks for the loop's CPU (see :meth:`favor`).
         self.favored = False
         self._shared_last: bool | None = None  # the last full window's verdict (None: none yet)
+        self._load_unknown = False  # the last sample could not read the machine's load
 
     @property
     def effective(self) -> int:
@@ -152,6 +153,21 @@ class NicePolicy:
     def _quiet_so_far(self) -> bool:
         """This window's first samples (enough of them) found no other task competing."""
         return self._others_n >= _EARLY_SAMPLES and self._others / self._others_n < self.shared
+
+    @property
+    def favor_pending(self) -> bool:
+        """A favored lowering waits for the machine's verdict: asked for and allowed, the load
+        readable, and no window (nor enough of this one) has said yet whether other tasks
+        compete. Until it comes the workers run at :attr:`level`, which the loop lane's race
+        must not time as the favored way's rate."""
+        return (
+            self.favored
+            and self.can_raise
+            and self.level < self.low
+            and not self._load_unknown
+            and self._shared_last is None
+            and self._others_n < _EARLY_SAMPLES
+        )
 
     def favor(self, on: bool) -> int | None:
         """The loop lane runs an unpaced stream's windows beside the workers (on), or no longer
@@ -189,6 +205,7 @@ class NicePolicy:
         self._n += 1
         if lateness_s > self.bound_s:
             self._late += 1
+        self._load_unknown = others is None
         if others is not None:
             self._others += others
             self._others_n += 1
@@ -434,6 +451,10 @@ class PriorityMonitor:
         if changed is not None or self.policy._n == 0:
             # (At a window's end, workers started since get the level too.)
             self._apply()
+
+    def favor_pending(self) -> bool:
+        """:attr:`NicePolicy.favor_pending`."""
+        return self.policy.favor_pending
 
     def favor_loop(self, on: bool) -> None:
         """The loop lane runs an unpaced stream's windows beside the workers, or no longer:

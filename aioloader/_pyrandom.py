@@ -12,8 +12,8 @@ words) and the normal cache ``gauss_next``, an attribute of the Python subclass.
 place is proven once, on scratch generators: its bytes must read as the words and position that
 ``getstate()`` reports, before and after a draw, and bytes written into another generator must
 make it draw the same. Where anything differs (another interpreter, a build with another object
-header, a global generator of another class), :func:`get` and :func:`put` use ``getstate()``
-and ``setstate()``: slower, never wrong.
+header, a global generator of another class, a build without the GIL), :func:`get` and
+:func:`put` use ``getstate()`` and ``setstate()``: slower, never wrong.
 
 Reads and writes are single copies between a ``memoryview`` of the struct and a buffer the
 state keeps (:func:`get` can refill a state it made before: no allocation on the lane's path).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import random
 import struct
+import sysconfig
 from typing import Any
 
 __all__ = ("fast", "get", "put", "seeded")
@@ -61,6 +62,10 @@ def _view(rng: random.Random) -> Any:
 def _proven() -> bool:
     """Whether a ``random.Random``'s struct is where and what this module takes it to be."""
     try:
+        if sysconfig.get_config_var("Py_GIL_DISABLED"):
+            # Without the GIL a copy could meet a draw in another thread halfway: random's own
+            # calls lock the generator, a copy of its bytes would not.
+            return False
         if object.__basicsize__ + _SIZE > random.Random.__basicsize__:
             return False
         source = random.Random(20261129)
@@ -93,7 +98,8 @@ def _global() -> tuple[random.Random, memoryview] | None:
     """The ``random.Random`` the module functions draw from and a view of its state, if the raw
     way applies to it."""
     global _FAST, _seen
-    rng = random.getstate.__self__  # type: ignore[attr-defined]
+    # (A program may have replaced random.getstate with a function of its own: no __self__.)
+    rng = getattr(random.getstate, "__self__", None)
     if _seen is not None and _seen[0] is rng:
         return _seen
     if type(rng) is not random.Random:

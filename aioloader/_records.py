@@ -262,3 +262,8 @@ class Host(Protocol):
         """The epoch's loop lane runs windows of an unpaced stream beside the workers (on), or
         no longer (off); calls come in pairs. The workers' priority may follow (``_priority``)."""
         ...
+
+    def favor_pending(self) -> bool:
+        """Whether the lowering asked for with :meth:`favor_loop` still waits to learn whether
+        the machine is shared (False without an adaptive priority)."""
+        ...

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import glob
 import multiprocessing
 import os
+import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -466,3 +470,14 @@ def s3_store() -> Iterator[Any]:
     finally:
         server.stop()
     assert_gone(server.pid, server.port)
+
+
+def interpreters() -> dict[str, str]:
+    """version -> executable: this Python, and every other CPython >= 3.11 installed by pyenv."""
+    found = {sys.version.split()[0]: sys.executable}
+    root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
+    for exe in sorted(glob.glob(f"{root}/versions/3.*/bin/python3")):
+        m = re.search(r"/versions/(3\.(\d+)\.\d+)/", exe)
+        if m and int(m.group(2)) >= 11 and m.group(1) not in found:
+            found[m.group(1)] = exe
+    return {v: found[v] for v in sorted(found, key=lambda v: tuple(map(int, v.split("."))))}

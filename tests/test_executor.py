@@ -5,11 +5,9 @@
 from __future__ import annotations
 
 import asyncio
-import glob
 import multiprocessing
 import os
 import pickle
-import re
 import signal
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from aioloader import AsyncDataLoader, _codec, _executor, _payload, _worker
 from aioloader._executor import CrashReport, WorkerPool
 from aioloader._procpool import Executor
 from aioloader._threads import run_off_loop
-from tests.conftest import worker_processes
+from tests.conftest import interpreters, worker_processes
 
 CHECK_SCRIPT = Path(__file__).with_name("procpool_check.py")
 
@@ -165,17 +163,6 @@ def executor_pids(pool: WorkerPool) -> set[int]:
 # ---------------------------------------------------------- torch-free checks, every Python
 
 
-def _interpreters() -> dict[str, str]:
-    """version -> executable: this Python, and every other CPython >= 3.11 installed by pyenv."""
-    found = {sys.version.split()[0]: sys.executable}
-    root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
-    for exe in sorted(glob.glob(f"{root}/versions/3.*/bin/python3")):
-        m = re.search(r"/versions/(3\.(\d+)\.\d+)/", exe)
-        if m and int(m.group(2)) >= 11 and m.group(1) not in found:
-            found[m.group(1)] = exe
-    return {v: found[v] for v in sorted(found, key=lambda v: tuple(map(int, v.split("."))))}
-
-
 def _version(exe: str) -> tuple[int, int]:
     out = subprocess.run(
         [exe, "-c", "import sys; print(*sys.version_info[:2])"],
@@ -197,7 +184,7 @@ def _run_check(exe: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("exe", list(_interpreters().values()), ids=list(_interpreters()))
+@pytest.mark.parametrize("exe", list(interpreters().values()), ids=list(interpreters()))
 def test_executor_internals_hold_under_every_python(exe: str) -> None:
     """All workers start up front on the starting thread, or in two waves; stopping never hangs
     behind a manager thread that tears down a broken pool; the fork warning is silenced without
@@ -209,7 +196,7 @@ def test_executor_internals_hold_under_every_python(exe: str) -> None:
 
 def test_the_old_kill_order_hangs_on_python_3_12() -> None:
     """The check above is meaningful: with shutdown() before SIGKILL it hangs on >= 3.12."""
-    newer = [exe for exe in _interpreters().values() if _version(exe) >= (3, 12)]
+    newer = [exe for exe in interpreters().values() if _version(exe) >= (3, 12)]
     if not newer:
         pytest.skip("no Python >= 3.12 installed")
     proc = _run_check(newer[0], "kill_after_crash", "--old-order")

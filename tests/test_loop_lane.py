@@ -180,26 +180,35 @@ def _program_draws() -> tuple[float, ...]:
     )
 
 
-def _seed_program() -> None:
-    random.seed(5)
-    random.gauss(0.0, 1.0)  # a kept normal each
-    np.random.seed(5)
-    np.random.standard_normal()
-    torch.manual_seed(5)
+def _program_states() -> tuple[Any, ...]:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _put_program_states(states: tuple[Any, ...]) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
 
 
 def test_the_stand_in_generators_go_on_across_blocks_and_leave_the_programs() -> None:
-    # The swap refills the buffers of the block before: blocks one after another, and a block
-    # inside a block, each give the program back exactly its own streams, and the stand-in's
-    # draws go on from where its last block left them.
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    # The swap refills the buffers of the block before: blocks one after another, with the
+    # program drawing in between (each block must give back the program's state of its own
+    # start, not the last block's), and a block inside a block, each give the program back
+    # exactly its own streams; the stand-in's draws go on from where its last block left them.
+    saved = _program_states()
     try:
-        _seed_program()
-        expected = _program_draws()
+        random.seed(5)
+        random.gauss(0.0, 1.0)  # a kept normal each
+        np.random.seed(5)
+        np.random.standard_normal()
+        torch.manual_seed(5)
         gens = _looplane._Generators(100, 3)
         lane: list[tuple[float, ...]] = []
         for nested in (False, False, True, False):
-            _seed_program()
+            _program_draws()  # the program moves on between blocks
+            before = _program_states()
+            expected = _program_draws()
+            _put_program_states(before)
             with gens.current():
                 lane.append(_program_draws())
                 if nested:
@@ -207,16 +216,67 @@ def test_the_stand_in_generators_go_on_across_blocks_and_leave_the_programs() ->
                         lane.append(_program_draws())
             assert _program_draws() == expected
         assert len(set(lane)) == len(lane), "the stand-in's streams never repeat"
-        # The stand-in's first draws are those of its own seed.
+        # The stand-in's first draws are those of its own seed, in every generator.
         random.seed(103)
         np.random.set_state(np.random.RandomState(gens._np_seed).get_state())
         torch.manual_seed(103)
-        first = random.gauss(0.0, 1.0), random.random()
-        assert lane[0][:2] == first
+        assert lane[0] == _program_draws()
     finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
+        _put_program_states(saved)
+
+
+def test_a_generator_that_fails_to_come_back_leaves_the_others_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(state: Any) -> None:
+        raise RuntimeError("random's state cannot be put back")
+
+    saved = _program_states()
+    try:
+        random.seed(8)
+        np.random.seed(8)
+        torch.manual_seed(8)
+        before = _program_states()
+        expected = _program_draws()
+        _put_program_states(before)
+        gens = _looplane._Generators(100, 3)
+        with pytest.raises(RuntimeError, match="cannot be put back"), gens.current():
+            _program_draws()
+            monkeypatch.setattr(_looplane._pyrandom, "put", broken)
+        monkeypatch.undo()
+        # torch's and numpy's came back although random's, put back first, failed.
+        assert _program_draws()[2:] == expected[2:]
+        assert not gens._open  # the next block swaps again
+    finally:
+        _put_program_states(saved)
+
+
+def test_a_program_that_replaced_getstate_still_gets_its_streams_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A shim of the program's own in place of random.getstate / np.random.get_state (no bound
+    # generator behind it): the public calls carry the states.
+    real_random, real_np = random.getstate, np.random.get_state
+    monkeypatch.setattr(random, "getstate", lambda: real_random())
+    monkeypatch.setattr(np.random, "get_state", lambda legacy=True: real_np(legacy=legacy))
+    monkeypatch.setattr(_looplane._pyrandom, "_seen", None)
+    monkeypatch.setattr(_looplane._npstate, "_seen", None)
+    saved = _program_states()
+    try:
+        random.seed(2)
+        np.random.seed(2)
+        before = _program_states()
+        expected = _program_draws()
+        _put_program_states(before)
+        gens = _looplane._Generators(100, 1)
+        for _ in range(2):
+            with gens.current():
+                drawn = _program_draws()
+            assert drawn != expected
+            assert _program_draws() == expected
+            _put_program_states(before)
+    finally:
+        _put_program_states(saved)
 
 
 @pytest.mark.usefixtures("lane_open")
@@ -331,6 +391,8 @@ async def test_an_unpaced_source_moving_between_lane_and_workers_keeps_every_eve
     batches still arrive in order, each event once, some from the loop and some from workers."""
     monkeypatch.setattr(_looplane, "RACE_PERIOD", 3)
     monkeypatch.setattr(_looplane._Race, "_ended", lambda race, rate: 2 - race.way)
+    # (No wait for a favored lowering's verdict: every period is timed at once.)
+    monkeypatch.setattr(_priority.PriorityMonitor, "favor_pending", lambda monitor: False)
     pids = _pids(await _unpaced_once_in_order(240))
     assert os.getpid() in pids and len(set(pids)) >= 2
     # Several switches each way, not one move half-way.
@@ -365,6 +427,45 @@ async def test_the_lane_asks_for_the_loops_cpu_while_a_way_puts_windows_on_it(
     assert calls[0] is True and calls[-1] is False and len(calls) >= 4
     assert all(a != b for a, b in itertools.pairwise(calls))  # on, off, on, off...
     assert len(reraces) >= 3
+
+
+@pytest.mark.usefixtures("lane_open")
+@pytest.mark.parametrize("verdict", ["comes", "never comes"])
+async def test_a_way_that_asked_for_the_loops_cpu_is_not_timed_before_the_answer(
+    verdict: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the priority policy has not yet said whether the machine is shared, the workers
+    keep their level: a period of a way that asked for the lowering is not timed (its rate
+    would be the unlowered one's). Once the verdict is in, or after FAVOR_WAIT_S without one,
+    it is."""
+    monkeypatch.setattr(_looplane, "RACE_PERIOD", 3)
+    monkeypatch.setattr(_looplane, "FAVOR_WAIT_S", 0.03)
+    asked = 0
+    first_asked: float | None = None
+
+    def pending(monitor: Any) -> bool:
+        nonlocal asked, first_asked
+        asked += 1
+        if first_asked is None:
+            first_asked = time.perf_counter()
+        return verdict == "never comes" or asked <= 60
+
+    monkeypatch.setattr(_priority.PriorityMonitor, "favor_pending", pending)
+    timed: list[tuple[int, bool, float]] = []
+
+    def ended(race: Any, rate: float) -> int:
+        still = verdict == "never comes" or asked <= 60
+        timed.append((race.way, still, time.perf_counter()))
+        return LANE  # every period after the first on the loop
+
+    monkeypatch.setattr(_looplane._Race, "_ended", ended)
+    await _unpaced_once_in_order(9000)
+    lane_periods = [(still, at) for way, still, at in timed if way == LANE]
+    assert lane_periods and first_asked is not None, timed
+    if verdict == "comes":
+        assert not any(still for still, _ in lane_periods), timed
+    else:  # timed anyway once the wait is over
+        assert all(at >= first_asked + 0.03 for _, at in lane_periods), timed
 
 
 WORKERS, MIXED, LANE = range(3)

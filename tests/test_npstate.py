@@ -110,6 +110,19 @@ def test_the_generator_numpys_functions_use_is_the_one_read_and_written(
     assert _draws(np.random) == expected
 
 
+def test_a_get_state_replaced_by_a_plain_function_reads_numpys_own_global(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = np.random.get_state
+    monkeypatch.setattr(np.random, "get_state", lambda legacy=True: real(legacy=legacy))
+    np.random.seed(4)
+    expected = _draws(_reference())
+    saved = _npstate.get(npr)
+    np.random.seed(40)
+    _npstate.put(npr, saved)
+    assert _draws(np.random) == expected
+
+
 def test_another_bit_generator_takes_numpys_own_calls() -> None:
     original = np.random.get_bit_generator()
     np.random.set_bit_generator(np.random.PCG64(1))

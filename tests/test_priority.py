@@ -141,21 +141,26 @@ def test_a_favored_loop_lowers_the_workers_on_a_quiet_machine_only() -> None:
     quiet, come back when it is shared or the lane is done; the lateness policy's own level
     (what later loaders start at) is not touched."""
     policy = NicePolicy(can_raise=True, low=_priority.IDLE)
-    # Nothing is known of the machine yet: no lowering until its first samples say quiet.
+    # Nothing is known of the machine yet: no lowering until its first samples say quiet, and
+    # until then the lowering is pending (the lane's race waits for it).
+    assert not policy.favor_pending
     assert policy.favor(True) is None
-    assert policy.effective == 0
+    assert policy.effective == 0 and policy.favor_pending
     early = _priority._EARLY_SAMPLES
     assert feed(policy, [PROMPT] * (early - 1)) == []
+    assert policy.favor_pending
     assert policy.observe(PROMPT, 0.0) == _priority.IDLE
     assert (policy.level, policy.effective) == (0, _priority.IDLE)
+    assert not policy.favor_pending
     # The rest of a quiet window: they stay lowered, the window's end changes nothing.
     assert feed(policy, [PROMPT] * (policy.window - early)) == []
     # The lane is done: back to the lateness policy's level at once.
     assert policy.favor(False) == 0
     assert policy.favor(True) == _priority.IDLE  # the last window was quiet: at once
-    # Another process competes for a whole window: the workers keep their share.
+    # Another process competes for a whole window: the workers keep their share (an answer:
+    # nothing pending).
     assert feed(policy, [PROMPT] * policy.window, others=1.0) == [0]
-    assert policy.effective == 0
+    assert policy.effective == 0 and not policy.favor_pending
     assert feed(policy, [PROMPT] * policy.window) == [_priority.IDLE]  # quiet again
     assert policy.favor(False) == 0
     assert policy.level == 0
@@ -165,6 +170,7 @@ def test_a_favored_loop_changes_nothing_where_the_workers_could_not_be_raised_ag
     policy = NicePolicy(can_raise=False, low=_priority.LOW_NICE)
     assert feed(policy, [PROMPT] * policy.window) == []
     assert policy.favor(True) is None
+    assert not policy.favor_pending
     assert feed(policy, [PROMPT] * policy.window * 2) == []
     assert policy.effective == 0
 
@@ -175,6 +181,15 @@ def test_a_favored_loop_changes_nothing_where_competition_is_unknown() -> None:
     assert policy.favor(True) is None
     assert feed(policy, [PROMPT] * policy.window * 3, others=None) == []
     assert policy.effective == 0
+    assert not policy.favor_pending  # no answer will come: nothing to wait for
+
+
+def test_a_favored_lowering_is_pending_only_until_the_first_samples_say_shared() -> None:
+    policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+    policy.favor(True)
+    assert policy.favor_pending
+    assert feed(policy, [PROMPT] * _priority._EARLY_SAMPLES, others=1.0) == []
+    assert policy.effective == 0 and not policy.favor_pending
 
 
 def test_workers_idle_for_a_favored_loop_and_starved_go_to_a_niceness() -> None:

@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import functools
 import random
+import subprocess
+import sysconfig
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from aioloader import _pyrandom
+from tests.conftest import interpreters
 
 
 @pytest.fixture(autouse=True)
@@ -128,6 +134,37 @@ def test_a_global_generator_of_another_class_takes_the_public_way(
     assert mine.random() == first
 
 
+def test_a_getstate_replaced_by_a_plain_function_takes_the_public_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A program's own shim (functools.wraps keeps no __self__): nothing raises, its calls carry
+    # the state.
+    real = random.getstate
+
+    @functools.wraps(real)
+    def shim() -> Any:
+        return real()
+
+    monkeypatch.setattr(random, "getstate", shim)
+    assert not _pyrandom.fast()
+    random.seed(12)
+    saved = _pyrandom.get()
+    assert isinstance(saved, tuple)
+    first = random.random()
+    _pyrandom.put(saved)
+    assert random.random() == first
+    assert isinstance(_pyrandom.seeded(3), tuple)
+
+
+def test_a_build_without_the_gil_takes_the_public_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    # There a copy of the struct could meet a draw of another thread halfway.
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(
+        sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else real(name)
+    )
+    assert not _pyrandom._proven()
+
+
 def test_reads_and_writes_from_several_threads_never_mix_states() -> None:
     # Each thread puts its own state and reads it back whole: a write is one call holding the
     # GIL, so no read sees half of one state and half of another.
@@ -149,3 +186,35 @@ def test_reads_and_writes_from_several_threads_never_mix_states() -> None:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads)
     assert wrong == []
+
+
+_UNDER_ANOTHER_PYTHON = """
+import importlib.util, random, sys
+spec = importlib.util.spec_from_file_location("_pyrandom", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+assert m.fast(), "the raw way is not taken"
+random.seed(3)
+random.gauss(0.0, 1.0)
+saved = m.get()
+expected = [random.gauss(0.0, 1.0), random.random(), random.getrandbits(40)]
+random.seed(9)
+m.put(saved)
+assert [random.gauss(0.0, 1.0), random.random(), random.getrandbits(40)] == expected
+assert m.get(into=saved) is saved and saved.legacy() == random.getstate()
+print("ok", sys.version.split()[0])
+"""
+
+
+@pytest.mark.parametrize("exe", list(interpreters().values()), ids=list(interpreters()))
+def test_the_raw_way_holds_under_every_python(exe: str) -> None:
+    # The module needs no torch: loaded by path under each CPython found (3.12 and 3.13 where
+    # pyenv has them), with only the standard library (-I).
+    path = Path(_pyrandom.__file__)
+    proc = subprocess.run(
+        [exe, "-I", "-c", _UNDER_ANOTHER_PYTHON, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
