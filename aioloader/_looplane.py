@@ -29,7 +29,7 @@ Where a window runs is decided by what it costs, per epoch:
   wants, the workers are lowered, so a worker never shares the loop's core). Where other
   processes want the cores, the process hops cost more than they bring and the lane wins.
 * The lane times itself too: once its transform takes more than :data:`MAX_SAMPLE_S` per sample,
-  or its collate more than :data:`MAX_COLLATE_S` (moving averages, from its third window on),
+  or its collate more than :data:`MAX_COLLATE_S` (the median of its last three windows),
   later windows of the epoch go back to the workers (the one at hand finishes on the loop: a
   transform never runs twice).
 * Not with ``transform_in="workers"``: a user who keeps every window in the workers, because a
@@ -52,6 +52,7 @@ main process: ``get_worker_info()`` is None and the global generators are the pr
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import sys
@@ -100,6 +101,9 @@ RACE_RECHECK_MAX = 64
 #: one that puts less: a tie leaves the loop free.
 RACE_MARGIN = 1.1
 
+#: Windows of the lane's own whose median cost decides whether it is dear (:class:`_Dearness`).
+DEAR_WINDOWS = 3
+
 #: The longest the race waits, without timing, for a favored lowering's verdict.
 FAVOR_WAIT_S = 0.5
 
@@ -121,7 +125,9 @@ class _Race:
     The best way is kept; after :data:`RACE_RECHECK` periods the others are timed again, one
     period each, and the best of all is kept. Each time that changes nothing, the next recheck
     comes twice as late (up to :data:`RACE_RECHECK_MAX` periods), so a settled race costs ever
-    less.
+    less. A way timed two periods in a row counts the better of the two: a host that stalls the
+    loop for a moment slows a period down, never speeds one up, and the best way's one slow
+    period before a recheck must not lose the race.
     """
 
     def __init__(self, settle: int = RACE_SETTLE) -> None:
@@ -139,6 +145,7 @@ class _Race:
         self._began: float | None = None
         self._settling = 0  # windows left before the period's timing starts
         self._credit = 0.0  # spreads a way's share of lane windows evenly
+        self._last: tuple[int, float] | None = None  # the last period's way and rate
 
     def rerace(self) -> None:
         """The machine changed under the race (the workers' priority): every way is timed
@@ -154,6 +161,7 @@ class _Race:
         self._count = 0
         self._began = None
         self._settling = self._settle
+        self._last = None
 
     def next(self, now: float) -> bool:
         """Whether the next window runs on the lane."""
@@ -177,6 +185,11 @@ class _Race:
     def _ended(self, rate: float) -> int:
         """Record a period's rate; the way the next period goes."""
         compared = len(self.rates) == len(RACE_WAYS)  # before: the first tour is no recheck
+        last, self._last = self._last, (self.way, rate)
+        if last is not None and last[0] == self.way:
+            # Two periods in a row the same way: the better one. A host that stalls the loop
+            # for a moment slows one period down; it never speeds one up.
+            rate = max(rate, last[1])
         self.rates[self.way] = rate
         if self.way != self.best:  # on a tour of the others
             if self._tour:
@@ -219,6 +232,29 @@ class LaneSide(Protocol):
 def average(last: float | None, value: float) -> float:
     """A moving average of a cost: the lane's own, and the workers' (``Epoch.window_cost``)."""
     return value if last is None else 0.75 * last + 0.25 * value
+
+
+class _Dearness:
+    """Whether the lane's own windows cost more than a window may on the loop: the median of the
+    last :data:`DEAR_WINDOWS` windows' transform per sample over :data:`MAX_SAMPLE_S`, or of
+    their collation over :data:`MAX_COLLATE_S`. A transform that grew dearer makes most windows
+    dear; one window stalled by the host or a full collection of the garbage collector (several
+    milliseconds, in the middle of a collation) is one, and does not close the lane."""
+
+    def __init__(self) -> None:
+        self._recent: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=DEAR_WINDOWS
+        )
+
+    def add(self, sample_s: float, collate_s: float) -> bool:
+        """One window's transform time per sample and collation time; whether the lane is dear."""
+        self._recent.append((sample_s, collate_s))
+        if len(self._recent) < DEAR_WINDOWS:
+            return False
+        middle = DEAR_WINDOWS // 2
+        samples = sorted(s for s, _ in self._recent)
+        collations = sorted(c for _, c in self._recent)
+        return samples[middle] > MAX_SAMPLE_S or collations[middle] > MAX_COLLATE_S
 
 
 class _Generators:
@@ -334,10 +370,10 @@ class LoopLane:
             # Only where a window may run here: it changes torch's get_worker_info for the
             # whole process (see _threadworkers.install_thread_info).
             _threadworkers.install_thread_info()
-        # This window's transform time so far; moving averages of the lane's own measures.
+        # This window's transform time so far; a moving average of the lane's own measure.
         self._spent = 0.0
         self._sample_s: float | None = None
-        self._collate_s: float | None = None
+        self._dear = _Dearness()
         #: Windows delivered from the lane (stats, tests).
         self.windows = 0
         self._race = _Race(max(RACE_SETTLE, plan.max_in_flight))
@@ -451,12 +487,9 @@ class LoopLane:
             data = _worker.RemoteError.capture(where)
         collate_s = time.perf_counter() - began
         busy = self._spent + collate_s
-        # Moving averages, as the workers' measure: one slow window (a collection, a first
-        # call) does not close the lane, a transform that grew dearer does.
         sample_s = self._spent / max(1, len(window))
-        self._sample_s = average(self._sample_s, sample_s)
-        self._collate_s = average(self._collate_s, collate_s)
-        if self.windows >= 2 and (self._sample_s > MAX_SAMPLE_S or self._collate_s > MAX_COLLATE_S):
+        self._sample_s = average(self._sample_s, sample_s)  # the step size's measure
+        if self._dear.add(sample_s, collate_s):
             self._closed = True  # dearer than the workers measured: later windows go to them
         self._spent = 0.0
         self.windows += 1

@@ -573,6 +573,22 @@ def test_the_race_follows_the_machines_load() -> None:
     assert _share(quiet, MIXED) > 0.9
 
 
+def test_one_slow_period_of_the_best_way_before_a_recheck_does_not_lose_the_race() -> None:
+    """The host stalls the loop for a moment: the best way's last period before a recheck is
+    slow. Its rate is the better of its last two periods, so a slower way does not win."""
+    clock = _Clock(settle=0)
+    race = clock.race
+    race.rates = {WORKERS: 1000.0, MIXED: 1500.0, LANE: 500.0}
+    race.best = race.way = MIXED
+    race._since = race._recheck - 2  # two more periods of MIXED, then the others are timed
+    normal, stalled = (0.001, 1 / 1500, 0.002), (0.001, 0.001, 0.002)
+    clock.windows(1, normal)
+    clock.windows(1, stalled)  # the period before the tour: as slow as the workers
+    ways = clock.windows(3, normal)
+    assert [way for way, _ in _runs(ways)][:3] == [WORKERS, LANE, MIXED]
+    assert race.best == MIXED
+
+
 def test_a_change_of_the_workers_priority_times_every_way_again() -> None:
     """Rates timed under another priority of the workers are stale: after ``rerace`` the
     others are timed at once (not after the settled race's long recheck interval), and the
@@ -730,3 +746,64 @@ async def test_a_swap_that_fails_leaves_the_programs_generators_as_they_were(
             await asyncio.wait_for(collect(loader), 60)
     assert calls >= 1
     assert (random.random(), float(np.random.random())) == expected
+
+
+def test_the_lane_is_dear_by_the_median_of_its_last_windows() -> None:
+    cheap, dear_sample = (5e-6, 50e-6), (2 * _looplane.MAX_SAMPLE_S, 50e-6)
+    stalled = (5e-6, 5 * _looplane.MAX_COLLATE_S)  # a full collection in the middle of one
+    dearness = _looplane._Dearness()
+    # One stalled window among cheap ones, again and again: never dear.
+    assert not any(dearness.add(*w) for w in [cheap, cheap, stalled, cheap, cheap, stalled] * 5)
+    # A transform that grew dearer: dear by the second such window of three.
+    assert [dearness.add(*dear_sample) for _ in range(2)] == [False, True]
+    # Not before three windows were timed, whatever the first cost.
+    assert [_looplane._Dearness().add(*stalled) for _ in range(1)] == [False]
+    fresh = _looplane._Dearness()
+    assert [fresh.add(*stalled) for _ in range(3)] == [False, False, True]
+
+
+class _StallsOnce:
+    """Cheap, but one sample (on the loop) takes 20 ms: a host stall, a full collection."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, sample: torch.Tensor) -> dict[str, Any]:
+        if int(sample) == self.at and threading.current_thread() is threading.main_thread():
+            time.sleep(0.02)
+        return where(sample)
+
+
+class _GrowsDear:
+    """Cheap, then 2 ms a sample on the loop from sample ``at`` on."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, sample: torch.Tensor) -> dict[str, Any]:
+        if int(sample) >= self.at and threading.current_thread() is threading.main_thread():
+            time.sleep(0.002)
+        return where(sample)
+
+
+async def test_one_stalled_window_keeps_the_lane_and_a_dearer_transform_closes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Bounds far above what the cheap transform and collation cost even on a busy machine, far
+    # below the dear transform's 2 ms a sample.
+    monkeypatch.setattr(_looplane, "MAX_SAMPLE_S", 0.001)
+    monkeypatch.setattr(_looplane, "MAX_COLLATE_S", 0.01)
+    n = 160
+    for transform, stays in ((_StallsOnce(60), True), (_GrowsDear(60), False)):
+        async with AsyncDataLoader(
+            Paced(n, GAP), batch_size=BATCH, num_workers=2, transform=transform
+        ) as loader:
+            got: list[Any] = await collect(loader)
+        assert [int(v) for b in got for v in b["x"].flatten()] == list(range(n))
+        pids = _pids(got)
+        late = pids[-(n - 100) // BATCH :]  # windows well after sample 60
+        on_loop = [pid == os.getpid() for pid in late]
+        if stays:
+            assert sum(on_loop) >= len(late) // 2, pids
+        else:
+            assert not any(on_loop), pids
