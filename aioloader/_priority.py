@@ -135,6 +135,7 @@ class NicePolicy:
         self.favored = False
         self._shared_last: bool | None = None  # the last full window's verdict (None: none yet)
         self._load_unknown = False  # the last sample could not read the machine's load
+        self._early_quiet: bool | None = None  # this window's first samples' verdict
 
     @property
     def effective(self) -> int:
@@ -151,8 +152,10 @@ class NicePolicy:
         return self._quiet_so_far()
 
     def _quiet_so_far(self) -> bool:
-        """This window's first samples (enough of them) found no other task competing."""
-        return self._others_n >= _EARLY_SAMPLES and self._others / self._others_n < self.shared
+        """This window's first :data:`_EARLY_SAMPLES` samples found no other task competing. (The
+        verdict of those samples holds until the window's end: a running mean that hovers near
+        :data:`SHARED_RUNNABLE` would turn a favored lowering on and off sample by sample.)"""
+        return self._early_quiet is True
 
     @property
     def favor_pending(self) -> bool:
@@ -166,7 +169,7 @@ class NicePolicy:
             and self.level < self.low
             and not self._load_unknown
             and self._shared_last is None
-            and self._others_n < _EARLY_SAMPLES
+            and self._early_quiet is None
         )
 
     def favor(self, on: bool) -> int | None:
@@ -209,6 +212,8 @@ class NicePolicy:
         if others is not None:
             self._others += others
             self._others_n += 1
+            if self._others_n == _EARLY_SAMPLES:
+                self._early_quiet = self._others / self._others_n < self.shared
         self._stalled += stalled
         self._queued += queued
         if self._n < self.window:
@@ -232,6 +237,7 @@ class NicePolicy:
         starved = self._stalled / self._n > STARVED and self._queued / self._n > QUEUED
         self._n = self._late = self._others_n = 0
         self._others = self._stalled = self._queued = 0.0
+        self._early_quiet = None
         if self.effective == IDLE and starved:
             # Something of this process keeps the cores busy and the idle workers get none of
             # them: they go back to a niceness, and idle is not tried again (favored or not).

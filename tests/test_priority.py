@@ -184,6 +184,28 @@ def test_a_favored_loop_changes_nothing_where_competition_is_unknown() -> None:
     assert not policy.favor_pending  # no answer will come: nothing to wait for
 
 
+def test_the_first_samples_verdict_holds_for_the_rest_of_the_window() -> None:
+    """A mean of other runnable tasks near the threshold must not turn a favored lowering on
+    and off sample by sample: the first samples decide until the window's end, where the whole
+    window's mean does."""
+    early = _priority._EARLY_SAMPLES
+    policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+    policy.favor(True)
+    assert feed(policy, [PROMPT] * early, others=0.3) == [_priority.IDLE]
+    # The mean climbs past the threshold and falls back below it: nothing moves meanwhile.
+    rest = policy.window - early
+    levels = [policy.observe(PROMPT, 1.0 if k % 2 else 0.6) for k in range(rest - 1)]
+    assert [lvl for lvl in levels if lvl is not None] == []
+    assert policy.observe(PROMPT, 1.0) == 0  # the window's mean says shared: back
+    # Shared by the first samples of the next: no lowering before its end, however quiet the
+    # rest; quiet by the whole window's mean, lowered then.
+    policy = NicePolicy(can_raise=True, low=_priority.IDLE)
+    policy.favor(True)
+    assert feed(policy, [PROMPT] * early, others=0.6) == []
+    assert feed(policy, [PROMPT] * (policy.window - early - 1), others=0.0) == []
+    assert policy.observe(PROMPT, 0.0) == _priority.IDLE
+
+
 def test_a_favored_lowering_is_pending_only_until_the_first_samples_say_shared() -> None:
     policy = NicePolicy(can_raise=True, low=_priority.IDLE)
     policy.favor(True)
