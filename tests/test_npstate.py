@@ -35,6 +35,16 @@ def _reference() -> np.random.RandomState:
     return rs
 
 
+def _assert_round_trip(seed: int) -> None:
+    """A state read after ``seed`` and put back over another seed's gives the first's draws."""
+    np.random.seed(seed)
+    expected = _draws(_reference())
+    saved = _npstate.get(npr)
+    np.random.seed(seed + 1000)
+    _npstate.put(npr, saved)
+    assert _draws(np.random) == expected
+
+
 def test_the_fast_way_is_taken_with_the_default_generator() -> None:
     assert _npstate.fast(npr)
     assert isinstance(_npstate.get(npr), _npstate._Fast)
@@ -102,12 +112,7 @@ def test_the_generator_numpys_functions_use_is_the_one_read_and_written(
     # A library that rebinds mtrand._rand does not redirect np.random.random & co., which stay
     # bound to the original: that one is the program's stream.
     monkeypatch.setattr(npr.mtrand, "_rand", np.random.RandomState(0))
-    np.random.seed(5)
-    expected = _draws(_reference())
-    saved = _npstate.get(npr)
-    np.random.seed(99)
-    _npstate.put(npr, saved)
-    assert _draws(np.random) == expected
+    _assert_round_trip(5)
 
 
 def test_a_get_state_replaced_by_a_plain_function_reads_numpys_own_global(
@@ -115,12 +120,7 @@ def test_a_get_state_replaced_by_a_plain_function_reads_numpys_own_global(
 ) -> None:
     real = np.random.get_state
     monkeypatch.setattr(np.random, "get_state", lambda legacy=True: real(legacy=legacy))
-    np.random.seed(4)
-    expected = _draws(_reference())
-    saved = _npstate.get(npr)
-    np.random.seed(40)
-    _npstate.put(npr, saved)
-    assert _draws(np.random) == expected
+    _assert_round_trip(4)
 
 
 def test_another_bit_generator_takes_numpys_own_calls() -> None:
